@@ -1,0 +1,5 @@
+"""Drafters propose future tokens; `base.Drafter` is the protocol the decode loop speaks."""
+
+from exitspec.drafters.base import Drafter
+
+__all__ = ["Drafter"]

@@ -1,0 +1,39 @@
+"""The drafter protocol: what the decode loop needs from any drafter, trained or not.
+
+One round, as the decode loop drives it (shapes for one sequence):
+
+    proposal = drafter.propose(context_ids, max_depth)     # context_ids [L]; its last token is the tree root
+    tree = drafter.build(proposal, root_token, budget)     # DraftTree with at most `budget` non-root nodes
+    ... one target forward over the tree, a verifier picks root → path plus a bonus token ...
+    drafter.commit(committed_ids, committed_features)      # the root and the accepted path, now in the target cache
+
+`propose` is timed as the draft stage and `build` as the build stage. Features are the concatenated hidden
+states of the target layers named by `feature_layers` (outputs of those decoder layers, 0-based), one row
+per token that the target's KV cache holds; a drafter that reads none has `feature_layers = ()` and
+receives `None`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from exitspec.tree import DraftTree
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    feature_layers: tuple[int, ...]
+
+    def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
+        """Starts a sequence. prompt_ids [L]; features [L-1, F] for prompt_ids[:-1] (the cached tokens)."""
+
+    def propose(self, context_ids: Tensor, max_depth: int) -> Any:
+        """Drafts up to `max_depth` future tokens after context_ids [L] (context_ids[-1] is the root)."""
+
+    def build(self, proposal: Any, root_token: int, budget: int) -> DraftTree:
+        """Selects at most `budget` of the proposed tokens as a prefix-closed tree rooted at root_token."""
+
+    def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
+        """committed_ids [n]: the root and accepted path tokens now in the target cache; features [n, F]."""
