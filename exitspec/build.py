@@ -1,0 +1,127 @@
+"""Tree builders: pick the `budget` most promising draft prefixes as one prefix-closed DraftTree.
+
+Both builders run the same best-first search. Every candidate node scores no higher than the node that put
+it on the heap, so nodes leave the heap in descending score and each arrives after its parent: the first B
+pops are the B best nodes and already form a tree listed parents-first.
+
+- `build_ddtree` (DDTree): candidates are all prefixes over per-depth top-k tokens of a drafter's marginals,
+  scored by their summed log-probabilities.
+- `build_trie`: candidates are the nodes of a trie of whole continuations (the n-gram drafter's), scored by
+  the total weight of the continuations passing through them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+
+import torch
+from torch import Tensor
+
+from exitspec.tree import DraftTree
+
+
+def build_ddtree(log_marginals: Tensor, root_token: int, budget: int, top_k: int | None = None) -> DraftTree:
+    """The `budget` highest-scoring prefixes under a factorised drafter, as a tree on log_marginals' device.
+
+    log_marginals [H, V]: row d-1 scores the token at depth d = 1..H. Rows are normalised here with
+    log_softmax, so raw logits and log-probabilities give the same tree. A prefix (x_1..x_d) scores
+    sum_i logp[i-1, x_i]; only the top_k (default min(budget, V)) tokens of each row are candidates.
+    -inf entries are allowed and never selected, so the tree can hold fewer than `budget` nodes. Nodes come
+    in pop order (descending score); ties go to the prefix pushed first.
+    """
+    if log_marginals.dim() != 2 or log_marginals.shape[0] == 0 or log_marginals.shape[1] == 0:
+        raise ValueError(f"log_marginals must be [H, V] with H, V >= 1, got {tuple(log_marginals.shape)}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    device = log_marginals.device
+    if budget == 0:
+        return DraftTree.root_only(root_token, device=device)
+    horizon, vocab_size = log_marginals.shape
+    k = min(top_k or budget, vocab_size)
+    logp = torch.log_softmax(log_marginals.float(), dim=-1)  # [H, V]
+    top_logp, top_tokens = (t.cpu() for t in logp.topk(k, dim=-1))  # [H, k] each, sorted descending
+    if bool(top_logp.isnan().any()):  # a NaN or +inf entry, or an all -inf row, poisons its whole row
+        raise ValueError("log_marginals must not contain NaN or +inf, and every row needs a finite entry")
+    step_logp, step_tokens = top_logp.tolist(), top_tokens.tolist()
+
+    parents, tokens, depths = [-1], [int(root_token)], [0]
+    push_order = itertools.count()
+    # heap entry: (-score, push order, depth d, rank r_d, parent node, parent score)
+    heap = [(-step_logp[0][0], next(push_order), 1, 0, 0, 0.0)]
+    while heap and len(parents) <= budget:
+        neg_score, _, d, rank, parent, parent_score = heapq.heappop(heap)
+        score = -neg_score
+        if score == -math.inf:  # everything left scores -inf too
+            break
+        node = len(parents)
+        parents.append(parent)
+        tokens.append(step_tokens[d - 1][rank])
+        depths.append(d)
+        if rank + 1 < k:  # next sibling: (r_1..r_{d-1}, r_d + 1)
+            sibling_score = parent_score + step_logp[d - 1][rank + 1]
+            heapq.heappush(heap, (-sibling_score, next(push_order), d, rank + 1, parent, parent_score))
+        if d < horizon:  # first child: (r_1..r_d, 0)
+            child_score = score + step_logp[d][0]
+            heapq.heappush(heap, (-child_score, next(push_order), d + 1, 0, node, score))
+
+    return _validated_tree(parents, tokens, depths, device)
+
+
+def build_trie(
+    root_token: int, continuations: list[list[int]], weights: list[float], budget: int, device=None
+) -> DraftTree:
+    """The `budget` heaviest nodes of the trie of `continuations` under root_token, as a tree on `device`.
+
+    A node's score is the total weight of the continuations passing through it (duplicates add up), which
+    never grows along a path since weights must be positive. Nodes come in pop order; ties go to the node
+    that reached the frontier first (siblings in order of first appearance in `continuations`).
+    """
+    if len(continuations) != len(weights):
+        raise ValueError(f"got {len(continuations)} continuations but {len(weights)} weights")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"weights must be finite and positive, got {weights}")
+
+    # the trie: node 0 is the root; children[n] maps a token to its child node
+    children: list[dict[int, int]] = [{}]
+    trie_tokens, trie_weights = [int(root_token)], [0.0]
+    for continuation, weight in zip(continuations, weights):
+        node = 0
+        for token in continuation:
+            if token < 0:
+                raise ValueError(f"continuation tokens must be >= 0, got {token}")
+            if token not in children[node]:
+                children[node][token] = len(children)
+                children.append({})
+                trie_tokens.append(int(token))
+                trie_weights.append(0.0)
+            node = children[node][token]
+            trie_weights[node] += weight
+
+    parents, tokens, depths = [-1], [int(root_token)], [0]
+    # heap entry: (-score, push order, trie node, tree parent node)
+    push_order = itertools.count()
+    heap = [(-trie_weights[c], next(push_order), c, 0) for c in children[0].values()]
+    heapq.heapify(heap)
+    while heap and len(parents) <= budget:
+        _, _, trie_node, parent = heapq.heappop(heap)
+        node = len(parents)
+        parents.append(parent)
+        tokens.append(trie_tokens[trie_node])
+        depths.append(depths[parent] + 1)
+        for child in children[trie_node].values():
+            heapq.heappush(heap, (-trie_weights[child], next(push_order), child, node))
+
+    return _validated_tree(parents, tokens, depths, device)
+
+
+def _validated_tree(parents: list[int], tokens: list[int], depths: list[int], device) -> DraftTree:
+    """Validates the tree on the CPU, then moves it to `device` in one copy per tensor."""
+    tree = DraftTree(*(torch.tensor(x, dtype=torch.long) for x in (parents, tokens, depths)))
+    tree.validate()
+    return tree.to(device)

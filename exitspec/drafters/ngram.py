@@ -1,0 +1,77 @@
+"""Prompt-lookup drafting: training-free, it guesses that the context repeats itself.
+
+The drafter finds earlier places in the context whose preceding tokens match the context's last tokens
+(its suffix n-gram, n = max_ngram down to min_ngram) and proposes the tokens that followed them. The
+continuations go into a trie (`build.build_trie`), so the tree keeps the tokens that most matches agree on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from exitspec.build import build_trie
+from exitspec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class NgramProposal:
+    """Candidate continuations, best first, with their positive weights; `device` is where the tree goes."""
+
+    continuations: list[list[int]]
+    weights: list[float]
+    device: torch.device
+
+
+class NgramDrafter:
+    """A prompt-lookup drafter; it reads no target features and keeps no state between rounds."""
+
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_candidates: int = 16):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
+        self.max_ngram, self.min_ngram, self.max_candidates = max_ngram, min_ngram, max_candidates
+
+    def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
+        pass
+
+    def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
+        pass
+
+    def propose(self, context_ids: Tensor, max_depth: int) -> NgramProposal:
+        """Up to max_candidates continuations (each <= max_depth tokens) of earlier suffix matches in context_ids [L].
+
+        A match starting the continuation at position e has length m = how many tokens before e equal the
+        context's last tokens (at most max_ngram); matches with m >= min_ngram count. They rank by m, then by
+        recency, and weigh m + e / L, so a longer match outweighs any shorter one and ties favour recent text.
+        """
+        ctx = context_ids.detach().to("cpu", torch.long)  # [L]
+        length = ctx.numel()
+        n = min(self.max_ngram, length - 1)
+        if max_depth < 1 or n < self.min_ngram:
+            return NgramProposal([], [], context_ids.device)
+
+        # windows[e] = the n tokens just before position e (left-padded with -1, which matches no token)
+        padded = torch.cat([ctx.new_full((n,), -1), ctx[:-1]])  # [n + L - 1]
+        windows = padded.unfold(0, n, 1)  # [L, n]
+        agrees = (windows == ctx[-n:]).flip(-1)  # [L, n], column j: the (j+1)-th token back agrees
+        match_len = agrees.cumprod(-1).sum(-1)  # [L]
+        starts = torch.nonzero(match_len >= self.min_ngram).flatten()  # [C] continuation starts, e <= L-1
+        order = (match_len[starts] * length + starts).argsort(descending=True)[: self.max_candidates]
+        starts = starts[order]  # [C'] longest match first, then most recent
+
+        positions = starts[:, None] + torch.arange(max_depth)  # [C', D]
+        tokens = ctx[positions.clamp(max=length - 1)].tolist()
+        counts = (length - starts).clamp(max=max_depth).tolist()  # tokens before the context ends
+        continuations = [row[:count] for row, count in zip(tokens, counts)]
+        weights = (match_len[starts] + starts.double() / length).tolist()
+        return NgramProposal(continuations, weights, context_ids.device)
+
+    def build(self, proposal: NgramProposal, root_token: int, budget: int) -> DraftTree:
+        """The trie of the proposed continuations, cut to its `budget` heaviest nodes (root-only without matches)."""
+        return build_trie(root_token, proposal.continuations, proposal.weights, budget, device=proposal.device)
