@@ -12,6 +12,7 @@ root, are marked invalid, and carry no probability mass in `flow`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -68,15 +69,28 @@ class DraftTree:
         """N: draft tokens in the tree (the root excluded); this is what a budget B bounds."""
         return self.parents.numel() - 1
 
-    @property
+    @cached_property
     def depth(self) -> int:
+        """The deepest node's depth (0 for a root-only tree)."""
         return int(self.depths.max())
+
+    @cached_property
+    def parent_list(self) -> list[int]:
+        return self.parents.tolist()
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """children[v]: v's child indices in tree order."""
+        kids: list[list[int]] = [[] for _ in range(self.size)]
+        for u, p in enumerate(self.parent_list[1:], start=1):
+            kids[p].append(u)
+        return kids
 
     @property
     def device(self) -> torch.device:
         return self.parents.device
 
-    @property
+    @cached_property
     def valid(self) -> Tensor:  # [N+1] bool; a single tree has no padding
         return torch.ones_like(self.parents, dtype=torch.bool)
 
@@ -116,16 +130,21 @@ class DraftTree:
 
     def path(self, node: int) -> list[int]:
         """Node indices from the root (excluded) down to `node` (included)."""
-        parents = self.parents.tolist()
+        parents = self.parent_list
         out = []
         while node > 0:
             out.append(node)
             node = parents[node]
         return out[::-1]
 
-    def visibility_mask(self) -> Tensor:
-        """[N+1, N+1] bool: mask[i, j] = node j is node i itself or one of its ancestors."""
+    @cached_property
+    def ancestors(self) -> Tensor:
+        """[N+1, N+1] bool: ancestors[i, j] = node j is node i itself or one of its ancestors."""
         return ancestor_matrix(self.parents[None], self.depths[None], self.valid[None])[0]
+
+    def visibility_mask(self) -> Tensor:
+        """[N+1, N+1] bool tree-attention mask: a node sees itself and its ancestors."""
+        return self.ancestors
 
     def position_ids(self, prefix_len: int) -> Tensor:
         """[N+1]: a node at depth d sits at absolute position prefix_len + d."""
@@ -159,9 +178,13 @@ class TreeBatch:
         valid = pad([t.valid.long() for t in trees], 0).bool()
         return cls(parents, pad([t.tokens for t in trees], 0), depths, valid)
 
-    def visibility_mask(self) -> Tensor:
-        """[T, M, M] bool ancestor-or-self mask; a padded slot sees only itself."""
+    @cached_property
+    def ancestors(self) -> Tensor:
+        """[T, M, M] bool ancestor-or-self matrix; a padded slot sees only itself."""
         return ancestor_matrix(self.parents, self.depths, self.valid)
+
+    def visibility_mask(self) -> Tensor:
+        return self.ancestors
 
 
 def ancestor_matrix(parents: Tensor, depths: Tensor, valid: Tensor) -> Tensor:

@@ -1,0 +1,70 @@
+"""Target flow through a draft tree: the canonical exit law (paper §3).
+
+Given the target distribution p_v at every node v (one row of the tree forward's warped probabilities):
+
+    edge(u)  = p_parent(u)(x_u)                      (Eq. 1, the probability of taking edge parent → u)
+    P(root)  = 1,   P(u) = P(parent(u)) · edge(u)    (Eq. 2, reach probability)
+    rho(v)   = 1 − Σ_{c ∈ children(v)} p_v(x_c)      (Eq. 3, mass that leaves the tree at v)
+    w(v)     = P(v) · rho(v)                         (Eq. 4, exit law; Σ_v w(v) = 1)
+    C_p(T)   = Σ_{u ≠ root} P(u)                     (Eq. 5, target coverage; E[L] ≤ 1 + C_p)
+
+and the residual at v is p_v with v's child tokens removed, renormalised (plain p_v at a leaf).
+
+Everything is a fixed-shape tensor op over all nodes at once: one gather for the edges, one masked product
+over the ancestor matrix for P (every level in parallel), one scatter for the child mass. It works on a
+single `DraftTree` (per-node tensors [N+1]) or a padded `TreeBatch` ([T, M]); padded slots get edge 0, so
+they carry no mass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from exitspec.tree import DraftTree, TreeBatch
+
+
+@dataclass(frozen=True)
+class TreeFlow:
+    edge: Tensor  # [..., M] p_parent(x_u); 1 at the root, 0 at padding
+    reach: Tensor  # [..., M] P(u)
+    child_mass: Tensor  # [..., M] Σ_children p_v(x_child)
+    rho: Tensor  # [..., M] 1 − child_mass, clamped at 0 against rounding; 0 at padding
+    exit: Tensor  # [..., M] w(v) = P(v) · rho(v)
+    coverage: Tensor  # [...] C_p(T)
+
+
+def tree_flow(tree: DraftTree | TreeBatch, probs: Tensor) -> TreeFlow:
+    """probs [N+1, V] for a tree (or [T, M, V] for a batch) → the exit law of Eqs. 1–5."""
+    parent_idx = tree.parents.clamp(min=0)  # [..., M]; the root points at itself, its edge is set to 1
+    edge = probs.flatten(-2).gather(-1, parent_idx * probs.shape[-1] + tree.tokens)  # [..., M] Eq. 1
+    edge = edge.index_fill(-1, torch.zeros(1, dtype=torch.long, device=edge.device), 1.0) * tree.valid
+    reach = torch.where(tree.ancestors, edge.unsqueeze(-2), 1.0).prod(dim=-1)  # [..., M] Eq. 2
+    child_mass = torch.zeros_like(edge).scatter_add_(-1, parent_idx[..., 1:], edge[..., 1:])  # [..., M]
+    rho = (1.0 - child_mass).clamp(min=0.0) * tree.valid  # Eq. 3
+    return TreeFlow(edge, reach, child_mass, rho, reach * rho, reach[..., 1:].sum(dim=-1))
+
+
+def child_token_mask(tree: DraftTree | TreeBatch, vocab_size: int) -> Tensor:
+    """[..., M, V] bool: mask[v, y] = some child of v carries token y."""
+    is_child = tree.valid.clone()
+    is_child[..., 0] = False
+    flat = torch.zeros(tree.parents.shape[:-1] + (tree.parents.shape[-1] * vocab_size,), device=is_child.device)
+    flat.scatter_add_(-1, tree.parents.clamp(min=0) * vocab_size + tree.tokens, is_child.float())
+    return (flat > 0).unflatten(-1, (tree.parents.shape[-1], vocab_size))
+
+
+def residual_probs(tree: DraftTree | TreeBatch, probs: Tensor) -> Tensor:
+    """[..., M, V]: p_v with v's child tokens removed and renormalised; all-zero rows where rho(v) = 0."""
+    kept = probs.masked_fill(child_token_mask(tree, probs.shape[-1]), 0.0)
+    total = kept.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, kept / total.clamp(min=torch.finfo(kept.dtype).tiny), kept)
+
+
+def node_residual(tree: DraftTree, probs: Tensor, node: int) -> Tensor:
+    """[V] unnormalised residual of one node: p_node with its children's tokens zeroed (O(V), for samplers)."""
+    kept = probs[node].clone()
+    kept[tree.tokens[tree.children[node]]] = 0.0
+    return kept

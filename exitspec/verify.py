@@ -1,0 +1,142 @@
+"""Exact tree verifiers: (tree, per-node target probabilities, generator) → accepted path + bonus token.
+
+Every verifier here is *saturated*: it leaves the tree at node v with probability w(v) = P(v)·rho(v) and
+draws the bonus token from the residual at v (flow.py, Eqs. 1–5), so the output block
+[x_path..., bonus] has exactly the target's distribution. They differ in how they get there:
+
+    greedy      follow the child that carries argmax p_v (temperature 0 only);
+    predraw     DDTree's predraw-and-follow: draw y_v ~ p_v at every node, follow matching children;
+    sequential  EAGLE-style sequential residual: test children in order, accept child c with probability
+                p(x_c) / (mass not yet rejected), remove a rejected child's mass and renormalise;
+    tev         Tree Exit Verification: compute w level-parallel, draw one exit node v ~ w, then one bonus
+                y ~ residual(v). Two small draws instead of one draw per node.
+
+`verify(name, tree, logits, params, generator)` warps logits into the target distribution first
+(sampling.py); the `decide_*` functions take those probabilities directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from exitspec.flow import node_residual, tree_flow
+from exitspec.sampling import SamplingParams, target_probs
+from exitspec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Verdict:
+    path: list[int]  # accepted non-root node indices, from the root's child down to the exit node
+    bonus: int  # the token drawn at the exit node
+
+    @property
+    def exit_node(self) -> int:
+        return self.path[-1] if self.path else 0
+
+    def output_tokens(self, tree: DraftTree) -> list[int]:
+        """The round's output block: the accepted draft tokens, then the bonus token."""
+        return tree.tokens[self.path].tolist() + [self.bonus] if self.path else [self.bonus]
+
+
+def decide_greedy(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None) -> Verdict:
+    """Temperature 0: the target token at each node is argmax p_v; follow it while the tree has it."""
+    return _follow(tree, probs.argmax(dim=-1))
+
+
+def decide_predraw(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None) -> Verdict:
+    """Predraw-and-follow (DDTree): one target draw per node [N+1], then follow matching children."""
+    draws = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N+1]
+    return _follow(tree, draws)
+
+
+def decide_sequential(
+    tree: DraftTree,
+    probs: Tensor,
+    generator: torch.Generator | None = None,
+    child_order: Callable[[list[int]], Sequence[int]] | None = None,
+) -> Verdict:
+    """Sequential residual (EAGLE-style), children tested in `child_order` (default: tree order).
+
+    After rejecting children c_1..c_{i-1} of v, the residual has mass q_i + Σ_{j>i} q_j + rho(v), with
+    q_j = p_v(x_{c_j}); child c_i is accepted with probability q_i over that mass. Children that are never
+    tested are not sampled, so the decision costs one uniform per tested child and one residual draw.
+    """
+    node, path = 0, []
+    while True:
+        kids = list(child_order(tree.children[node])) if child_order else tree.children[node]
+        residual = node_residual(tree, probs, node)  # [V] p_v without the child tokens
+        if kids:
+            kid_probs = probs[node, tree.tokens[kids]]  # [k]
+            later = kid_probs.flip(0).cumsum(0).flip(0) - kid_probs  # [k] Σ_{j>i} q_j
+            remaining = kid_probs + later + residual.sum()  # [k]
+            accept_prob = torch.where(remaining > 0, kid_probs / remaining, torch.zeros_like(remaining))
+            uniforms = torch.rand(len(kids), generator=generator, device=probs.device)
+            accepted = torch.nonzero(uniforms < accept_prob).flatten()
+            if accepted.numel():
+                node = kids[int(accepted[0])]
+                path.append(node)
+                continue
+        return Verdict(path, int(torch.multinomial(residual, 1, generator=generator)))
+
+
+def decide_tev(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None) -> Verdict:
+    """Tree Exit Verification: v ~ w (level-parallel exit law), then bonus ~ residual(v).
+
+    rho(v) = 1 − Σ children's edge probabilities is computed from O(N) gathered entries; only the exit node's
+    residual row [V] is ever formed. If rounding made w(v) > 0 at a node whose residual is empty (rho(v) is
+    truly 0), that node is removed and the exit redrawn, which is the exact law.
+    """
+    exit_mass = tree_flow(tree, probs).exit.clone()  # [N+1]
+    while True:
+        node = int(torch.multinomial(exit_mass, 1, generator=generator))
+        residual = node_residual(tree, probs, node)  # [V]
+        if bool(residual.sum() > 0):
+            return Verdict(tree.path(node), int(torch.multinomial(residual, 1, generator=generator)))
+        exit_mass[node] = 0.0
+
+
+def _follow(tree: DraftTree, target_tokens: Tensor) -> Verdict:
+    """Accept every node whose ancestors-or-self all carry their parent's target token; exit at the deepest.
+
+    target_tokens [N+1] holds the target's token at every node. Sibling tokens are distinct, so the accepted
+    nodes form one root path; its deepest node is the exit and its target token the bonus.
+    """
+    mismatch = target_tokens[tree.parents.clamp(min=0)] != tree.tokens  # [N+1]
+    mismatch[0] = False
+    on_path = ~(tree.ancestors & mismatch).any(dim=-1)  # [N+1] every ancestor-or-self matches
+    exit_node = int(torch.argmax(torch.where(on_path, tree.depths, -1)))
+    return Verdict(tree.path(exit_node), int(target_tokens[exit_node]))
+
+
+DECIDERS: dict[str, Callable[..., Verdict]] = {
+    "greedy": decide_greedy,
+    "predraw": decide_predraw,
+    "sequential": decide_sequential,
+    "tev": decide_tev,
+}
+
+
+def check_verifier(name: str, params: SamplingParams) -> None:
+    """Raises ValueError for an unknown verifier, or the greedy verifier with a non-zero temperature."""
+    if name not in DECIDERS:
+        raise ValueError(f"unknown verifier {name!r}; choose one of {sorted(DECIDERS)}")
+    if name == "greedy" and not params.greedy:
+        raise ValueError("the greedy verifier is exact only at temperature 0; use predraw, sequential or tev")
+
+
+def verify(
+    name: str,
+    tree: DraftTree,
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Warps logits [N+1, V] into the target distribution and runs verifier `name` on it."""
+    check_verifier(name, params)
+    if logits.shape[0] != tree.size:
+        raise ValueError(f"got logits for {logits.shape[0]} nodes but the tree has {tree.size}")
+    return DECIDERS[name](tree, target_probs(logits, params), generator)
