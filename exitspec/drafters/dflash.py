@@ -1,0 +1,139 @@
+"""DFlash drafting: one block-diffusion forward per round gives per-depth marginals, DDTree turns them into a tree.
+
+One round for a context x_0..x_{L-1} whose last token (the root) is not yet in the target's cache:
+
+    cache:  projected K/V of target features for x_0..x_{L-2}, positions 0..L-2 (committed tokens only)
+    block:  [x_{L-1}, MASK × (bs−1)] at positions L-1 .. L-2+bs, bidirectional, sees the whole cache
+    output: logits of block slots 1..H = the drafter's marginals for depths 1..H, H = min(bs−1, max_depth)
+
+The block's own keys and values never enter the cache: `commit` appends the features of the tokens the
+target has just accepted (the root and the accepted path), exactly as `begin` fills it with the prompt's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from exitspec.build import build_ddtree
+from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel
+from exitspec.tree import DraftTree
+
+
+class DraftCache:
+    """Every draft layer's context keys and values, [layers, 1, Hkv, capacity, hd] buffers grown by doubling."""
+
+    def __init__(self):
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.length = 0
+
+    def clear(self) -> None:
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> None:
+        """k, v [layers, 1, Hkv, n, hd]: the next n committed tokens."""
+        end = self.length + k.shape[3]
+        if self.k is None or end > self.k.shape[3] or self.k.dtype != k.dtype or self.k.device != k.device:
+            capacity = max(end, 2 * (0 if self.k is None else self.k.shape[3]), 64)
+            grown_k = k.new_empty(*k.shape[:3], capacity, k.shape[4])
+            grown_v = v.new_empty(*v.shape[:3], capacity, v.shape[4])
+            if self.length:
+                grown_k[:, :, :, : self.length] = self.k[:, :, :, : self.length]
+                grown_v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
+            self.k, self.v = grown_k, grown_v
+        self.k[:, :, :, self.length : end] = k
+        self.v[:, :, :, self.length : end] = v
+        self.length = end
+
+    def view(self) -> tuple[Tensor, Tensor]:
+        """The cached keys and values, each [layers, 1, Hkv, length, hd] (views, no copy)."""
+        return self.k[:, :, :, : self.length], self.v[:, :, :, : self.length]
+
+
+class DFlashDrafter:
+    """The Drafter protocol over a DFlashModel and the target's frozen input embeddings and LM head."""
+
+    def __init__(self, model: DFlashModel, target_embeddings: nn.Embedding, target_lm_head: nn.Module, device=None):
+        cfg = model.config
+        vocab, hidden = target_lm_head.weight.shape
+        if target_embeddings.embedding_dim != hidden:
+            raise ValueError(
+                f"target embeddings have width {target_embeddings.embedding_dim} but its LM head reads {hidden}"
+            )
+        cfg.check_target(hidden_size=hidden, vocab_size=vocab)
+        self.device = torch.device(device) if device is not None else target_embeddings.weight.device
+        self.model = model.to(self.device).eval()
+        self.embed = target_embeddings
+        self.lm_head = target_lm_head
+        self.feature_layers: tuple[int, ...] = tuple(cfg.target_layer_ids)
+        self.block_size = cfg.block_size
+        self.vocab_size = vocab
+        self.cache = DraftCache()
+
+    @classmethod
+    def from_pretrained(cls, folder, target_hf_model, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:
+        """Loads a checkpoint folder for an HF causal LM target, after checking that the target fits it.
+        The drafter takes the target's device and embedding dtype unless told otherwise."""
+        tc = target_hf_model.config.get_text_config()
+        embed, lm_head = target_hf_model.get_input_embeddings(), target_hf_model.get_output_embeddings()
+        DFlashConfig.load(folder).check_target(tc.hidden_size, lm_head.weight.shape[0], tc.num_hidden_layers)
+        model = DFlashModel.from_pretrained(folder, dtype=dtype or embed.weight.dtype)
+        return cls(model, embed, lm_head, device=device)
+
+    # -- the Drafter protocol ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
+        """prompt_ids [L]; features [L-1, F] of prompt_ids[:-1]: the draft cache becomes exactly those."""
+        self.cache.clear()
+        self._append(features, expected=prompt_ids.numel() - 1)
+
+    @torch.no_grad()
+    def propose(self, context_ids: Tensor, max_depth: int) -> Tensor:
+        """Per-depth logits [H, V] (fp32), H = min(block_size−1, max_depth), for the tokens after context_ids[-1]."""
+        ctx_len = context_ids.numel() - 1
+        if ctx_len != self.cache.length:
+            raise RuntimeError(
+                f"the draft cache holds {self.cache.length} tokens but the context has {ctx_len} before its root; "
+                "begin/commit must hand over the features of every token the target has cached"
+            )
+        depth = min(self.block_size - 1, max_depth)
+        if depth < 1:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        anchor = context_ids[-1:].to(self.device, torch.long)[None]  # [1, 1]
+        block = self.model.block_embeddings(anchor, self.embed).to(self._dtype)  # [1, bs, D]
+        positions = torch.arange(ctx_len, ctx_len + self.block_size, device=self.device)[None]  # [1, bs]
+        ctx_k, ctx_v = self.cache.view()
+        hidden = self.model.decode(block, positions, ctx_k, ctx_v)  # [1, bs, D]
+        return self.lm_head(hidden[0, 1 : 1 + depth].to(self.lm_head.weight.dtype)).float()  # [H, V]
+
+    def build(self, proposal: Tensor, root_token: int, budget: int) -> DraftTree:
+        """The DDTree: the `budget` most probable prefixes under the per-depth marginals."""
+        if proposal.shape[0] == 0:
+            return DraftTree.root_only(root_token, device=proposal.device)
+        return build_ddtree(proposal, root_token, budget)
+
+    @torch.no_grad()
+    def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
+        """committed_ids [n]: root + accepted path, now in the target cache; features [n, F] extend the draft cache."""
+        self._append(features, expected=committed_ids.numel())
+
+    # -- internals -----------------------------------------------------------------------------------------
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.model.fc.weight.dtype
+
+    def _append(self, features: Tensor | None, expected: int) -> None:
+        cfg = self.model.config
+        if features is None or features.shape != (expected, cfg.feature_size):
+            got = None if features is None else tuple(features.shape)
+            raise ValueError(
+                f"DFlash needs features [{expected}, {cfg.feature_size}] (target layers {list(self.feature_layers)} "
+                f"concatenated), got {got}"
+            )
+        start = self.cache.length
+        positions = torch.arange(start, start + expected, device=self.device)[None]  # [1, n]
+        k, v = self.model.context_kv(features.to(self.device, self._dtype)[None], positions)
+        self.cache.append(k, v)
