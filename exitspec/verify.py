@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from exitspec.flow import node_residual, tree_flow
-from exitspec.sampling import SamplingParams, target_probs
+from exitspec.sampling import SamplingParams, sample_rows, target_probs
 from exitspec.tree import DraftTree
 
 
@@ -49,7 +49,7 @@ def decide_greedy(tree: DraftTree, probs: Tensor, generator: torch.Generator | N
 
 def decide_predraw(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None) -> Verdict:
     """Predraw-and-follow (DDTree): one target draw per node [N+1], then follow matching children."""
-    draws = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N+1]
+    draws = sample_rows(probs, generator)  # [N+1]
     return _follow(tree, draws)
 
 
@@ -80,7 +80,7 @@ def decide_sequential(
                 node = kids[int(accepted[0])]
                 path.append(node)
                 continue
-        return Verdict(path, int(torch.multinomial(residual, 1, generator=generator)))
+        return Verdict(path, int(sample_rows(residual, generator)))
 
 
 def decide_tev(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None) -> Verdict:
@@ -92,10 +92,10 @@ def decide_tev(tree: DraftTree, probs: Tensor, generator: torch.Generator | None
     """
     exit_mass = tree_flow(tree, probs).exit.clone()  # [N+1]
     while True:
-        node = int(torch.multinomial(exit_mass, 1, generator=generator))
+        node = int(sample_rows(exit_mass, generator))
         residual = node_residual(tree, probs, node)  # [V]
         if bool(residual.sum() > 0):
-            return Verdict(tree.path(node), int(torch.multinomial(residual, 1, generator=generator)))
+            return Verdict(tree.path(node), int(sample_rows(residual, generator)))
         exit_mass[node] = 0.0
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from exitspec.flow import residual_probs, tree_flow
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.tree import TreeBatch
-from tests.random_trees import random_logits, random_tree, subtree_matrix
+from exitspec.check import random_logits, random_tree
 
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
 
@@ -25,7 +25,7 @@ def test_lemma1_identities(seed, params):
     tree, probs = _case(seed, params=params)
     flow = tree_flow(tree, probs)
     assert torch.isclose(flow.exit.sum(), torch.tensor(1.0, dtype=torch.float64), atol=1e-12)
-    assert torch.allclose(subtree_matrix(tree).double() @ flow.exit, flow.reach, atol=1e-12)
+    assert torch.allclose(tree.ancestors.T.double() @ flow.exit, flow.reach, atol=1e-12)
     assert torch.isclose(flow.coverage, (flow.exit * tree.depths).sum(), atol=1e-12)
     assert flow.reach[0] == 1.0 and bool((flow.exit >= 0).all())
 

@@ -1,94 +1,57 @@
 """Statistical exactness of the verifiers: the joint law of (exit node, bonus token) is w(v)·p_res_v(y).
 
-Each verifier runs ≥ 20k times on fixed random trees; a G-test compares the empirical joint law with the
-exit law, and the mean output length is compared with 1 + C_p. A deliberately wrong verifier must fail.
+Each verifier runs 20k times on fixed random trees (depth ≤ 5, branching ≤ 4, vocabulary 6) at temperature 1
+and with top-p 0.9; a G-test compares the empirical joint law with the exit law and the mean output length
+is compared with 1 + C_p. A deliberately wrong verifier must fail the same check.
 """
 
 import pytest
 import torch
-from scipy.stats import power_divergence
 
-from exitspec.flow import residual_probs, tree_flow
-from exitspec.sampling import SamplingParams, target_probs
+from exitspec.check import check_law, exact_joint_law, g_test_pvalue, law_case, random_logits, random_tree, sample_verdicts
+from exitspec.sampling import SamplingParams
 from exitspec.tree import DraftTree
-from exitspec.verify import DECIDERS, Verdict, _follow, check_verifier, decide_sequential, verify
-from tests.random_trees import random_logits, random_tree
+from exitspec.verify import DECIDERS, Verdict, _follow, check_verifier, decide_predraw, decide_sequential, verify
 
 VOCAB = 6
 DRAWS = 20_000
-SAMPLED_VERIFIERS = ["predraw", "sequential", "tev"]
+LAW_PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)]
 
 
-def exact_joint_law(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
-    """[N+1, V] float64: probability of exiting at v with bonus y."""
-    probs = probs.double()
-    return tree_flow(tree, probs).exit[:, None] * residual_probs(tree, probs)
-
-
-def empirical_counts(decide, tree, probs, seed: int, draws: int = DRAWS):
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(tree.size, probs.shape[-1], dtype=torch.float64)
-    lengths = torch.zeros(draws, dtype=torch.float64)
-    for i in range(draws):
-        verdict = decide(tree, probs, gen)
-        counts[verdict.exit_node, verdict.bonus] += 1
-        lengths[i] = len(verdict.path) + 1
-    return counts, lengths
-
-
-def g_test_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
-    """G-test of counts against law; cells expected below 5 are pooled; an impossible outcome gives 0."""
-    if bool((counts[law == 0] > 0).any()):
-        return 0.0
-    expected = law.flatten() * counts.sum()
-    observed = counts.flatten()
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big & (law.flatten() > 0)].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big & (law.flatten() > 0)].sum()[None]])
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(power_divergence(obs.numpy(), exp.numpy(), lambda_="log-likelihood").pvalue)
-
-
-def law_cases():
-    cases = []
-    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)):
-        for seed in (11,):
-            gen = torch.Generator().manual_seed(seed)
-            tree = random_tree(gen, VOCAB, max_depth=5, max_branch=4, max_nodes=30)
-            probs = target_probs(random_logits(gen, tree.size, VOCAB), params)
-            cases.append(pytest.param(tree, probs, id=f"top_p={params.top_p}-seed={seed}"))
-    return cases
-
-
-@pytest.mark.parametrize("name", SAMPLED_VERIFIERS)
-@pytest.mark.parametrize("tree,probs", law_cases())
-def test_verifier_matches_exit_law(name, tree, probs):
-    law = exact_joint_law(tree, probs)
-    counts, lengths = empirical_counts(DECIDERS[name], tree, probs, seed=hash(name) % 1000)
-    assert g_test_pvalue(counts, law) > 1e-3
-    coverage = float(tree_flow(tree, probs.double()).coverage)
-    std_err = float(lengths.std() / DRAWS**0.5)
-    assert abs(float(lengths.mean()) - (1 + coverage)) < 3 * std_err + 1e-9
+@pytest.mark.parametrize("name", ["predraw", "sequential", "tev"])
+@pytest.mark.parametrize("params", LAW_PARAMS, ids=["t1", "top_p0.9"])
+def test_verifier_matches_exit_law(name, params):
+    tree, probs = law_case(11, params)
+    result = check_law(name, DECIDERS[name], tree, probs, params, DRAWS, seed=3)
+    assert result.p_value > 1e-3, result
+    assert abs(result.mean_length - result.expected_length) < 3 * result.std_err, result
 
 
 def test_sequential_law_does_not_depend_on_child_order():
-    (tree, probs) = law_cases()[0].values
+    tree, probs = law_case(11, LAW_PARAMS[0])
     reverse = lambda tree, probs, gen: decide_sequential(tree, probs, gen, child_order=lambda kids: kids[::-1])
-    counts, _ = empirical_counts(reverse, tree, probs, seed=5)
-    assert g_test_pvalue(counts, exact_joint_law(tree, probs)) > 1e-3
+    assert check_law("sequential-reversed", reverse, tree, probs, LAW_PARAMS[0], DRAWS, seed=5).passed
 
 
 def test_wrong_verifier_is_caught():
-    """Predraw-and-follow whose bonus comes from p_v instead of the residual: the test must reject it."""
+    """Predraw-and-follow whose bonus comes from p_v instead of the residual must fail the G-test."""
 
     def bonus_from_full_distribution(tree, probs, gen):
-        verdict = DECIDERS["predraw"](tree, probs, gen)
+        verdict = decide_predraw(tree, probs, gen)
         return Verdict(verdict.path, int(torch.multinomial(probs[verdict.exit_node], 1, generator=gen)))
 
-    (tree, probs) = law_cases()[0].values
-    counts, _ = empirical_counts(bonus_from_full_distribution, tree, probs, seed=1)
+    tree, probs = law_case(11, LAW_PARAMS[0])
+    counts, _ = sample_verdicts(bonus_from_full_distribution, tree, probs, seed=1, draws=DRAWS)
     assert g_test_pvalue(counts, exact_joint_law(tree, probs)) < 1e-3
+
+
+def test_g_test_agrees_with_scipy():
+    from scipy.stats import power_divergence
+
+    law = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    counts = torch.tensor([480.0, 330.0, 190.0], dtype=torch.float64)
+    expected = power_divergence(counts.numpy(), (law * 1000).numpy(), lambda_="log-likelihood").pvalue
+    assert abs(g_test_pvalue(counts, law) - expected) < 1e-9
 
 
 def test_greedy_follows_argmax_and_all_verifiers_agree_at_temperature_zero():
@@ -112,8 +75,8 @@ def test_greedy_accepts_a_matching_chain_fully():
 
 
 def test_seeded_verifiers_are_reproducible():
-    (tree, probs) = law_cases()[1].values
-    for name in SAMPLED_VERIFIERS:
+    tree, probs = law_case(12, LAW_PARAMS[1])
+    for name in ["predraw", "sequential", "tev"]:
         runs = [
             [DECIDERS[name](tree, probs, g) for _ in range(20)]
             for g in (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7))

@@ -1,0 +1,311 @@
+"""The decode loop: draft → build → one target forward over the tree → verify → commit, round after round.
+
+    context ids ─ drafter.propose ─▶ proposal ─ drafter.build ─▶ DraftTree (≤ B nodes)
+        ─ target.forward_tree ─▶ logits [N+1, V] (+ features) ─ target_probs ─▶ p [N+1, V]
+        ─ verifier ─▶ Verdict(path, bonus) ─ target.commit(path), drafter.commit(...) ─▶ stream tokens
+
+The target's KV cache holds every committed token but the last, which roots the next tree. Each round
+emits the accepted draft tokens plus one bonus token, so a round never emits less than autoregressive
+decoding does. `generate_autoregressive` is the plain one-token-per-step loop on the same backend: the
+baseline for the speedup ratio (SR). All timing lives here, in `StageTimer`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from exitspec.drafters.base import Drafter
+from exitspec.flow import tree_flow
+from exitspec.sampling import SamplingParams, sample_rows, target_probs
+from exitspec.target import TargetModel
+from exitspec.tree import DraftTree
+from exitspec.verify import DECIDERS, check_verifier
+
+STAGES = ("draft", "build", "target", "verify", "commit")
+Prompt = str | Sequence[dict] | Sequence[int] | Tensor
+
+
+class StageTimer:
+    """Wall-clock seconds per stage; synchronises the device so that GPU time lands in the right stage."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def __call__(self, stage: str):
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[stage] += time.perf_counter() - start
+
+
+@dataclass
+class RoundStats:
+    tree_size: int  # N, draft tokens in the tree
+    accepted: int  # draft tokens accepted (the bonus token excluded)
+    emitted: int  # tokens this round added to the output (accepted + bonus, cut at a stop or the limit)
+    coverage: float  # C_p(T), the expected accepted length of a saturated verifier on this tree
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    tokens: list[int]
+    text: str | None
+    rounds: list[RoundStats]
+    stage_seconds: dict[str, float]
+    prefill_seconds: float
+    total_seconds: float  # prefill included
+    stopped_by: str  # "stop_token", "max_new_tokens" or "context"
+
+    @property
+    def tau(self) -> float:
+        """τ: mean output-block length per round (accepted draft tokens + the bonus token)."""
+        return sum(r.accepted + 1 for r in self.rounds) / max(len(self.rounds), 1)
+
+    @property
+    def mean_coverage(self) -> float:
+        return sum(r.coverage for r in self.rounds) / max(len(self.rounds), 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "new_tokens": len(self.tokens),
+            "rounds": len(self.rounds),
+            "tau": self.tau,
+            "mean_coverage": self.mean_coverage,
+            "accepted_lengths": [r.accepted for r in self.rounds],
+            "coverage_per_round": [r.coverage for r in self.rounds],
+            "tokens_per_second": self.tokens_per_second,
+            "prefill_seconds": self.prefill_seconds,
+            "total_seconds": self.total_seconds,
+            "stage_seconds": {s: self.stage_seconds.get(s, 0.0) for s in STAGES},
+            "stopped_by": self.stopped_by,
+        }
+
+
+class TextStream:
+    """Turns a growing token list into text increments, holding back an unfinished multi-byte character."""
+
+    def __init__(self, tokenizer, sink: Callable[[str], None]):
+        self.tokenizer, self.sink = tokenizer, sink
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def push(self, tokens: Iterable[int]) -> None:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.sink(text[self.printed :])
+        self.printed = len(text)
+
+
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool = True) -> list[int]:
+    """Token ids for a prompt: a string or a list of chat messages goes through the chat template."""
+    if isinstance(prompt, Tensor):
+        ids = prompt.flatten().tolist()
+    elif isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+        if tokenizer is None:
+            raise ValueError("this model folder has no tokenizer; pass token ids instead of text")
+        if isinstance(prompt, str) and not prompt.strip():
+            raise ValueError("the prompt is empty")
+        if chat and tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return list(ids)
+
+
+def default_stop_tokens(target: TargetModel) -> set[int]:
+    """The model's end-of-sequence ids (generation config first, then the tokenizer)."""
+    eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+    if eos is None and target.tokenizer is not None:
+        eos = target.tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+@dataclass
+class _Run:
+    """Bookkeeping shared by the speculative and the autoregressive loops."""
+
+    max_new_tokens: int
+    stop_tokens: set[int]
+    stream: TextStream | None
+    tokens: list[int] = field(default_factory=list)
+    stopped_by: str = "max_new_tokens"
+
+    def emit(self, block: list[int]) -> int:
+        """Appends a block, cut after a stop token or at the limit; returns how many tokens it kept."""
+        block = block[: self.max_new_tokens - len(self.tokens)]
+        for i, tok in enumerate(block):
+            if tok in self.stop_tokens:
+                block, self.stopped_by = block[: i + 1], "stop_token"
+                break
+        self.tokens.extend(block)
+        if self.stream is not None:
+            self.stream.push(block)
+        return len(block)
+
+    @property
+    def done(self) -> bool:
+        return self.stopped_by == "stop_token" or len(self.tokens) >= self.max_new_tokens
+
+
+class SpeculativeDecoder:
+    """Exact tree speculative decoding of `target` with proposals from `drafter`."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter):
+        if drafter.feature_layers and tuple(drafter.feature_layers) != tuple(target.feature_layers):
+            raise ValueError(
+                f"the drafter reads target layers {list(drafter.feature_layers)} but the target taps "
+                f"{list(target.feature_layers)}; build the target with feature_layers=drafter.feature_layers"
+            )
+        self.target, self.drafter = target, drafter
+
+    def generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        budget: int = 32,
+        verifier: str = "tev",
+        seed: int = 0,
+        stop_tokens: Iterable[int] | None = None,
+        stream: Callable[[str], None] | None = None,
+        chat: bool = True,
+    ) -> GenerationResult:
+        """Generates up to max_new_tokens; the output has exactly the (warped) target distribution."""
+        params = SamplingParams(temperature, top_k, top_p)
+        check_verifier(verifier, params)
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0 draft tokens per round, got {budget}")
+        target, drafter = self.target, self.drafter
+        run, prompt_ids, timer, start = _start_run(target, prompt, max_new_tokens, stop_tokens, stream, chat)
+
+        features = target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
+        drafter.begin(torch.tensor(prompt_ids, device=target.device), features)
+        prefill_seconds = time.perf_counter() - start
+        context = list(prompt_ids)
+        generator = torch.Generator(device=target.device).manual_seed(seed)
+        rounds: list[RoundStats] = []
+        while not run.done:
+            room = target.max_context - target.cache_len - 1  # positions left after the root
+            if room <= 0:
+                run.stopped_by = "context"
+                break
+            max_depth = min(run.max_new_tokens - len(run.tokens) - 1, room - 1)
+            root = context[-1]
+            if budget > 0 and max_depth > 0:
+                with timer("draft"):
+                    proposal = drafter.propose(torch.tensor(context, device=target.device), max_depth)
+                with timer("build"):
+                    tree = drafter.build(proposal, root, budget)
+                if tree.num_nodes > budget or tree.depth > max_depth or int(tree.tokens[0]) != root:
+                    raise RuntimeError(
+                        f"drafter returned a tree of {tree.num_nodes} nodes, depth {tree.depth}, root "
+                        f"{int(tree.tokens[0])}; expected at most {budget} nodes, depth {max_depth}, root {root}"
+                    )
+            else:
+                tree = DraftTree.root_only(root, device=target.device)
+            with timer("target"):
+                forward = target.forward_tree(tree)
+            with timer("verify"):
+                probs = target_probs(forward.logits, params)  # [N+1, V]
+                verdict = DECIDERS[verifier](tree, probs, generator)
+            with timer("commit"):
+                target.commit(tree, verdict.path)
+                kept = [0, *verdict.path]
+                committed = forward.features[kept] if forward.features is not None else None
+                drafter.commit(tree.tokens[kept], committed)
+            block = verdict.output_tokens(tree)
+            emitted = run.emit(block)
+            context.extend(block)
+            rounds.append(RoundStats(tree.num_nodes, len(verdict.path), emitted, float(tree_flow(tree, probs).coverage)))
+        return _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
+
+
+def generate_autoregressive(
+    target: TargetModel,
+    prompt: Prompt,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_tokens: Iterable[int] | None = None,
+    stream: Callable[[str], None] | None = None,
+    chat: bool = True,
+) -> GenerationResult:
+    """The SR baseline: one target forward and one draw per token, on the same backend and cache."""
+    params = SamplingParams(temperature, top_k, top_p)
+    run, prompt_ids, timer, start = _start_run(target, prompt, max_new_tokens, stop_tokens, stream, chat)
+    target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
+    prefill_seconds = time.perf_counter() - start
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    token, rounds = prompt_ids[-1], []
+    while not run.done:
+        if target.cache_len + 1 >= target.max_context:
+            run.stopped_by = "context"
+            break
+        with timer("target"):
+            logits = target.forward_tokens(torch.tensor([token], device=target.device)).logits  # [1, V]
+        with timer("verify"):
+            probs = target_probs(logits[-1], params)  # [V]
+            token = int(sample_rows(probs, generator))
+        rounds.append(RoundStats(0, 0, run.emit([token]), 0.0))
+    return _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
+
+
+def _start_run(target: TargetModel, prompt, max_new_tokens, stop_tokens, stream, chat):
+    start = time.perf_counter()
+    prompt_ids = encode_prompt(target.tokenizer, prompt, chat)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if len(prompt_ids) >= target.max_context:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens, which does not fit the model's context of "
+            f"{target.max_context} tokens with room to generate"
+        )
+    bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token {bad[0]} is outside the model's vocabulary of {target.vocab_size}")
+    stops = default_stop_tokens(target) if stop_tokens is None else {int(t) for t in stop_tokens}
+    text_stream = TextStream(target.tokenizer, stream) if stream and target.tokenizer is not None else None
+    target.reset()
+    return _Run(max_new_tokens, stops, text_stream), prompt_ids, StageTimer(target.device), start
+
+
+def _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start) -> GenerationResult:
+    total = time.perf_counter() - start
+    text = target.tokenizer.decode(run.tokens, skip_special_tokens=True) if target.tokenizer is not None else None
+    return GenerationResult(
+        prompt_ids, run.tokens, text, rounds, dict(timer.seconds), prefill_seconds, total, run.stopped_by
+    )
+
