@@ -1,0 +1,272 @@
+"""Latency of the verifier decision alone: predraw vs TEV (plus sequential and greedy) on the same trees.
+
+    python -m exitspec.bench.verifier [--budgets 16 32 64 128] [--temperatures 1.0 0.6] [--top-p 1.0]
+        [--prompts 4] [--depth 16] [--repeats 50] [--device cpu|cuda] [--threads N] [--synthetic]
+        [--json PATH]
+
+Realised trees. For each built-in chat prompt the default target (fp32) is prefilled and run greedily for
+`depth` steps; row d-1 of the log-marginals is the target's own log-probabilities d-1 steps ahead along that
+greedy path. This "oracle marginal drafter" stands in for a DFlash drafter until a trained one ships: it
+gives DDTree trees (`build_ddtree`, budget B) of a realistic shape whose spine agrees with the target more
+often than a real drafter's would. One `forward_tree` then gives the real logits [N+1, V] of each tree.
+`--synthetic` skips the model: random trees and peaked random logits of the same shapes.
+
+Timing. Per (tree, logits) pair and temperature, probs = target_probs(logits) is computed once; then the
+warp itself and every verifier are timed `repeats` times after `warmup` calls, round-robin with a rotating
+order so drift and cache effects hit all of them alike, synchronising the device around every call. Each
+call gets a fresh DraftTree view of the same tensors: as in the decode loop, whatever tree structure a
+verifier needs (the ancestor matrix, the child lists) is computed inside its decision. Reported: medians
+over all repeats and pairs, speedup = predraw / TEV, and the whole verify stage (warp + decision per call).
+On a CPU shared with other work, multi-threaded kernels wait on descheduled threads; `--threads 1` then
+measures the code rather than the scheduler.
+
+Fairness. Predraw is exitspec's `decide_predraw`: all N+1 draws in one batched inverse-CDF pass
+(`sample_rows`, several times faster than torch.multinomial on CPU), then one vectorised ancestor test to
+find the accepted path; no Python loop over nodes. Sequential is the EAGLE-style loop over accepted nodes;
+greedy runs on the temperature-0 (one-hot) probabilities of the same logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import Tensor
+
+from exitspec.build import build_ddtree
+from exitspec.decode import encode_prompt
+from exitspec.flow import tree_flow
+from exitspec.sampling import SamplingParams, target_probs
+from exitspec.target import TargetModel
+from exitspec.tree import DraftTree
+from exitspec.verify import DECIDERS
+
+PROMPTS = (
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about the sea.",
+    "What is the capital of France, and what is it famous for?",
+    "Give me three tips for learning a new programming language.",
+    "Write a Python function that reverses a string.",
+    "Summarise the plot of Romeo and Juliet in one paragraph.",
+    "How do I make a cup of green tea?",
+    "List the planets of the solar system in order from the Sun.",
+)
+VERIFIERS = ("predraw", "tev", "sequential", "greedy")  # greedy decides on the temperature-0 probabilities
+Pair = tuple[DraftTree, Tensor]  # a tree and its target logits [N+1, V]
+
+
+def oracle_log_marginals(target: TargetModel, prompt_ids: list[int], depth: int) -> Tensor:
+    """[H, V] target log-probs along its own greedy continuation: row d-1 scores the token at depth d."""
+    target.reset()
+    target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
+    token, rows = prompt_ids[-1], []
+    for _ in range(depth):
+        logits = target.forward_tokens(torch.tensor([token], device=target.device)).logits[-1]  # [V]
+        rows.append(torch.log_softmax(logits, dim=-1))
+        token = int(logits.argmax())
+    return torch.stack(rows)
+
+
+def realised_pairs(target: TargetModel, budgets: list[int], n_prompts: int, depth: int) -> dict[int, list[Pair]]:
+    """Per budget, one DDTree per prompt from the oracle marginals, with the target's logits over it."""
+    pairs: dict[int, list[Pair]] = defaultdict(list)
+    for prompt in PROMPTS[:n_prompts]:
+        prompt_ids = encode_prompt(target.tokenizer, prompt)
+        log_marginals = oracle_log_marginals(target, prompt_ids, depth)  # [H, V]
+        for budget in budgets:
+            target.reset()
+            target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
+            tree = build_ddtree(log_marginals, prompt_ids[-1], budget)
+            pairs[budget].append((tree, target.forward_tree(tree).logits))  # logits [N+1, V]
+            target.commit(tree, [])
+    return pairs
+
+
+def synthetic_pairs(
+    budgets: list[int], n_pairs: int, depth: int, vocab: int, device: torch.device, seed: int
+) -> dict[int, list[Pair]]:
+    """Random pairs of the realised shapes, no model.
+
+    The drafter's marginals put ~80% of each depth's mass on one random token (a deep spine with side
+    branches); the target logits are standard normal with every child token lifted by log V, so each child
+    holds about as much of its parent's mass as all the other tokens together.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pairs: dict[int, list[Pair]] = defaultdict(list)
+    for budget in budgets:
+        for _ in range(n_pairs):
+            log_marginals = torch.randn(depth, vocab, generator=gen, device=device)  # [H, V]
+            spine = torch.randint(vocab, (depth,), generator=gen, device=device)  # [H]
+            log_marginals[torch.arange(depth, device=device), spine] += math.log(vocab) + 2.0
+            tree = build_ddtree(log_marginals, 0, budget)
+            logits = torch.randn(tree.size, vocab, generator=gen, device=device)  # [N+1, V]
+            logits[tree.parents[1:], tree.tokens[1:]] += math.log(vocab)
+            pairs[budget].append((tree, logits))
+    return pairs
+
+
+def _seconds(fn, device: torch.device) -> float:
+    """Wall-clock seconds of one call of fn, with the device synchronised on both sides."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_pair(
+    tree: DraftTree, logits: Tensor, params: SamplingParams, repeats: int, warmup: int, gen: torch.Generator
+) -> dict[str, list[float]]:
+    """Seconds per call of the warp ("warp") and of every verifier on one pair, `repeats` samples each."""
+    probs = target_probs(logits, params)  # [N+1, V], shared by the stochastic verifiers
+    greedy_probs = target_probs(logits, SamplingParams(temperature=0.0))  # [N+1, V] one-hot
+    calls = {"warp": lambda t: target_probs(logits, params)}
+    for name in VERIFIERS:
+        p = greedy_probs if name == "greedy" else probs
+        calls[name] = lambda t, decide=DECIDERS[name], p=p: decide(t, p, gen)
+    names = list(calls)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warmup + repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no call always follows another
+            fresh = DraftTree(tree.parents, tree.tokens, tree.depths)  # same tensors, empty structure caches
+            seconds = _seconds(lambda: calls[name](fresh), logits.device)
+            if r >= warmup:
+                samples[name].append(seconds)
+    return samples
+
+
+def run_bench(
+    pairs: dict[int, list[Pair]], temperatures: list[float], top_p: float, repeats: int, warmup: int, seed: int
+) -> list[dict]:
+    """One row per (budget, temperature): medians in ms over all repeats and pairs, and the speedups."""
+    rows = []
+    for budget, budget_pairs in pairs.items():
+        gen = torch.Generator(device=budget_pairs[0][1].device).manual_seed(seed)
+        for temperature in temperatures:
+            params = SamplingParams(temperature=temperature, top_p=top_p)
+            pooled: dict[str, list[float]] = defaultdict(list)
+            coverage = []
+            for tree, logits in budget_pairs:
+                for name, seconds in time_pair(tree, logits, params, repeats, warmup, gen).items():
+                    pooled[name] += seconds
+                coverage.append(float(tree_flow(tree, target_probs(logits, params)).coverage))  # E[accepted]
+            med = {name: 1e3 * statistics.median(s) for name, s in pooled.items()}
+            stage = {  # warp + decision of the same repeat
+                name: 1e3 * statistics.median(w + d for w, d in zip(pooled["warp"], pooled[name]))
+                for name in ("predraw", "tev")
+            }
+            rows.append(
+                {
+                    "budget": budget,
+                    "nodes": statistics.mean(tree.num_nodes for tree, _ in budget_pairs),
+                    "temperature": temperature,
+                    "top_p": top_p,
+                    "coverage": statistics.mean(coverage),
+                    "median_ms": med,
+                    "speedup": med["predraw"] / med["tev"],
+                    "stage_median_ms": stage,
+                    "stage_speedup": stage["predraw"] / stage["tev"],
+                }
+            )
+    return rows
+
+
+def print_tables(result: dict, console: Console) -> None:
+    """The decision table and the verify-stage table of main's result."""
+    load = result["load_average"]
+    console.print(
+        f"[bold]verifier latency[/bold]: {result['mode']}, device {result['device']}, {result['threads']} threads, "
+        f"V={result['vocab']}, depth {result['depth']}, {result['pairs_per_budget']} pairs x {result['repeats']} "
+        f"repeats, top-p {result['top_p']}" + (f", load average {load[0]:.2f}" if load else "")
+    )
+    decision = Table(
+        title="Verifier decision alone: median ms (speedup = predraw / TEV)",
+        caption="N: mean nodes, C_p: mean coverage (expected accepted), seq: sequential",
+    )
+    for col in ("B", "N", "T", "C_p", "predraw", "TEV", "speedup", "seq", "greedy@T0"):
+        decision.add_column(col, justify="right")
+    stage = Table(title="Verify stage = warp (target_probs) + decision: median ms")
+    for col in ("B", "T", "warp", "warp+predraw", "warp+TEV", "speedup"):
+        stage.add_column(col, justify="right")
+    for row in result["rows"]:
+        m, s = row["median_ms"], row["stage_median_ms"]
+        b, t = str(row["budget"]), f"{row['temperature']:g}"
+        predraw, tev, seq, greedy = (f"{m[name]:.3f}" for name in VERIFIERS)
+        shape = (b, f"{row['nodes']:.0f}", t, f"{row['coverage']:.2f}")
+        decision.add_row(*shape, predraw, tev, f"{row['speedup']:.2f}x", seq, greedy)
+        stage.add_row(
+            b, t, f"{m['warp']:.3f}", f"{s['predraw']:.3f}", f"{s['tev']:.3f}", f"{row['stage_speedup']:.2f}x"
+        )
+    console.print(decision)
+    console.print(stage)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the benchmark, prints the tables and returns (and with --json writes) the results."""
+    p = argparse.ArgumentParser(prog="python -m exitspec.bench.verifier", description=__doc__.split("\n")[0])
+    p.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.6])
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--prompts", type=int, default=4, help=f"trees per budget (at most {len(PROMPTS)} with a model)")
+    p.add_argument("--depth", type=int, default=16, help="draft horizon H")
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--synthetic", action="store_true", help="random trees and logits instead of the model")
+    p.add_argument("--vocab", type=int, default=49152, help="vocabulary of --synthetic (the default model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if min(args.budgets) < 1 or args.depth < 1 or args.repeats < 1 or args.warmup < 0 or args.prompts < 1:
+        p.error("budgets, --depth, --repeats and --prompts must be >= 1 and --warmup >= 0")
+    if not args.synthetic and args.prompts > len(PROMPTS):
+        p.error(f"--prompts is at most {len(PROMPTS)} (the built-in prompts)")
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if args.synthetic:
+        pairs = synthetic_pairs(args.budgets, args.prompts, args.depth, args.vocab, device, args.seed)
+        vocab = args.vocab
+    else:
+        target = TargetModel.from_pretrained(args.model, device=device)
+        pairs = realised_pairs(target, args.budgets, args.prompts, args.depth)
+        vocab = target.vocab_size
+        del target  # the timing touches only the (tree, logits) pairs
+    result = {
+        "mode": "synthetic" if args.synthetic else f"oracle-marginal trees on {args.model or 'SmolLM2-135M-Instruct'}",
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "vocab": vocab,
+        "depth": args.depth,
+        "pairs_per_budget": args.prompts,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "top_p": args.top_p,
+        "budgets": args.budgets,
+        "temperatures": args.temperatures,
+        "rows": run_bench(pairs, args.temperatures, args.top_p, args.repeats, args.warmup, args.seed),
+    }
+    print_tables(result, Console())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
