@@ -1,0 +1,134 @@
+"""`exitspec train dflash`: make rollouts of the target, then train a DFlash drafter on them.
+
+exitspec train dflash --rollouts-only --gsm8k 2000 --sharegpt 2000     # target rollouts -> runs/rollouts
+exitspec train dflash --steps 2000 --run-dir runs/dflash                # train (resumes runs/dflash if any)
+torchrun --nproc_per_node 8 -m exitspec.train.dflash --steps 2000       # the same on 8 processes (DDP)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from itertools import islice
+from pathlib import Path
+
+import torch
+
+from exitspec.decode import encode_prompt
+from exitspec.models import DEFAULT_MODEL, load_model_and_tokenizer
+from exitspec.train import dist
+from exitspec.train.prompts import gsm8k_train, interleave, sharegpt
+from exitspec.train.rollouts import GenerationSettings, make_rollouts
+from exitspec.train.trainer import TrainConfig, train
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring verbatim, and every option's default."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="exitspec train dflash", description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("--target", help=f"target HF causal-LM folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--device", help="default: cuda:LOCAL_RANK if CUDA is available, else cpu")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="target dtype; bfloat16 also trains under bf16 autocast (auto: bfloat16 on CUDA)")
+    p.add_argument("--threads", type=int, help="torch CPU threads per process")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--rollouts", default="runs/rollouts", help="rollout folder")
+
+    g = p.add_argument_group("rollouts")
+    g.add_argument("--rollouts-only", action="store_true", help="make (or extend) the rollouts and exit")
+    g.add_argument("--data-dir", type=Path, help="default: $EXITSPEC_DATA, else shared/data next to the repo")
+    g.add_argument("--gsm8k", type=int, default=2000, help="GSM8K train prompts (-1: all 7473)")
+    g.add_argument("--sharegpt", type=int, default=2000, help="ShareGPT first-turn prompts (-1: all)")
+    g.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--gen-batch-size", type=int, default=16, help="prompts per generate call")
+    g.add_argument("--shard-size", type=int, default=64, help="prompts per JSONL shard")
+
+    t = p.add_argument_group("training")
+    d = TrainConfig(rollouts="", run_dir="")
+    t.add_argument("--run-dir", default="runs/dflash", help="checkpoints, log, final drafter")
+    t.add_argument("--init", help="start from this drafter checkpoint folder instead of a fresh drafter")
+    t.add_argument("--stop-at", type=int, help="stop at this step (with a checkpoint); a later run resumes")
+    t.add_argument("--num-layers", type=int, default=d.num_layers, help="draft layers of a fresh drafter")
+    t.add_argument("--block-size", type=int, default=d.block_size, help="block size of a fresh drafter")
+    t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    t.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process and step")
+    t.add_argument("--anchors", type=int, default=d.anchors, help="blocks per sequence")
+    t.add_argument("--max-len", type=int, default=d.max_len, help="cut sequences to this many tokens")
+    t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    t.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor / lr")
+    t.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
+    t.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW, on matrices only")
+    t.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm")
+    t.add_argument("--gamma", type=float, default=d.gamma,
+                   help="loss weight exp(-(k-1)/gamma) of block slot k; DFlash: 7 for block 16, 5 for 10, 4 for 8")
+    t.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint interval in steps")
+    t.add_argument("--log-every", type=int, default=d.log_every, help="log interval in steps")
+    t.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
+    return p
+
+
+def main_dflash(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = (
+            "bfloat16"
+            if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+            else "float32"
+        )
+    try:
+        if args.rollouts_only:
+            return run_rollouts(args, dtype)
+        cfg = TrainConfig(
+            **{f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name != "dtype"}, dtype=dtype
+        )
+        train(cfg, stop_at=args.stop_at, progress=not args.no_progress, device=args.device)
+        return 0
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
+        print(f"exitspec train dflash: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        dist.teardown()
+
+
+def run_rollouts(args, dtype: str) -> int:
+    """Generates the rollouts not yet in args.rollouts (one process: the folder is not shared between ranks)."""
+    if dist.setup(args.device).world > 1:
+        raise ValueError("make rollouts with one process (python -m exitspec.train.dflash --rollouts-only ...)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model_and_tokenizer(args.target, device, getattr(torch, dtype))
+    if tokenizer is None:
+        raise ValueError("rollouts from text prompts need a tokenizer, and the target folder has none")
+    sources = []
+    if args.gsm8k:
+        sources.append(encode(gsm8k_train(args.data_dir), tokenizer, args.gsm8k, args.max_prompt_tokens))
+    if args.sharegpt:
+        sources.append(encode(sharegpt(), tokenizer, args.sharegpt, args.max_prompt_tokens))
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    settings = GenerationSettings(
+        model=str(Path(args.target).resolve()) if args.target else DEFAULT_MODEL,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    prompts = interleave(*sources)
+    n = make_rollouts(model, prompts, args.rollouts, settings, eos, pad, args.gen_batch_size, args.shard_size,
+                      progress=not args.no_progress)
+    print(f"{n} new rollouts in {args.rollouts}")
+    return 0
+
+
+def encode(prompts, tokenizer, limit: int, max_tokens: int) -> list[tuple[str, list[int]]]:
+    """(id, chat-template ids) of the first `limit` prompts (-1: all) of at most `max_tokens` tokens."""
+    fitting = ((p.id, ids) for p in prompts if len(ids := encode_prompt(tokenizer, p.text)) <= max_tokens)
+    return list(fitting if limit < 0 else islice(fitting, limit))

@@ -1,0 +1,96 @@
+"""The DFlash training objective: random anchors in the response, one masked block per anchor, decayed CE.
+
+For a sequence x_0..x_{L-1} whose response starts at s, an anchor a satisfies s <= a and a+1 < L (the anchor
+and its first target are both response tokens). Its block [x_a, MASK × (bs−1)] sits at positions a..a+bs−1
+and sees the target's features of x_0..x_{a−1} (ctx_lens = a) and itself, never another block: exactly what
+the drafter sees at inference, where the anchor is the last committed token. Slot k = 1..bs−1 predicts
+x_{a+k}; slots past the sequence end are masked out. The loss is the cross-entropy averaged over valid slots
+with weight exp(−(k−1)/γ): early slots matter most, since a draft is accepted only up to its first miss.
+γ = 7 is DFlash's choice for block size 16 (the reference recipe uses 5 for 10 and 4 for 8).
+
+Features come from the frozen target (one causal forward per batch), logits from its frozen LM head, block
+embeddings from its frozen input embeddings; only the drafter trains.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from exitspec.drafters.dflash_model import DFlashModel
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> Tensor:
+    """[bs−1]: the loss weight exp(−(k−1)/γ) of block slot k = 1..bs−1."""
+    return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
+
+
+def sample_anchors(starts: Tensor, lengths: Tensor, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Up to n distinct anchors per sequence, uniformly among starts[b] <= a < lengths[b] − 1, ascending.
+
+    starts, lengths [B] (CPU). Returns anchors [B, N] and keep [B, N] bool, N = min(n, most valid anchors of
+    any row); a row with fewer valid anchors pads with anchor 0 and keep False.
+    """
+    width = int(lengths.max()) - 1
+    pos = torch.arange(max(width, 0))  # [W]
+    valid = (pos >= starts[:, None]) & (pos < lengths[:, None] - 1)  # [B, W]
+    counts = valid.sum(dim=1)  # [B]
+    n = min(n, int(counts.max()) if counts.numel() else 0)
+    if n == 0:
+        raise ValueError("no sequence in the batch has a response of at least two tokens")
+    noise = torch.rand(valid.shape, generator=generator).masked_fill(~valid, 2.0)
+    picked = noise.argsort(dim=1)[:, :n]  # [B, N]: valid positions first, in random order
+    keep = torch.arange(n) < counts[:, None]  # [B, N]
+    anchors = torch.where(keep, picked, width).sort(dim=1).values  # invalid ones sort last
+    keep = anchors < width
+    return anchors.masked_fill(~keep, 0), keep
+
+
+@torch.no_grad()
+def target_features(model: PreTrainedModel, ids: Tensor, lengths: Tensor, layer_ids) -> Tensor:
+    """ids [B, L] right-padded to lengths [B] -> features [B, L, F]: outputs of the target decoder layers
+    `layer_ids` (HF hidden_states[i+1]), concatenated. Rows past a sequence's end are padding garbage."""
+    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+class BlockLoss(NamedTuple):
+    loss: Tensor  # scalar: weighted mean cross-entropy of the valid slots
+    ce: Tensor  # [B, N, bs−1] per-slot cross-entropy (also at invalid slots, where it means nothing)
+    weights: Tensor  # [B, N, bs−1] loss weights, 0 at invalid slots
+    correct: Tensor  # [B, N, bs−1] bool: a valid slot whose argmax is the true token
+
+
+class DFlashObjective(nn.Module):
+    """The drafter plus the target's frozen embeddings and LM head: the module that DDP wraps."""
+
+    def __init__(self, drafter: DFlashModel, embed: nn.Embedding, lm_head: nn.Module, gamma: float = 7.0):
+        super().__init__()
+        self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
+        self.gamma = gamma
+
+    def forward(self, ids: Tensor, features: Tensor, lengths: Tensor, anchors: Tensor, keep: Tensor) -> BlockLoss:
+        """ids [B, L], features [B, L, F], lengths [B], anchors / keep [B, N] (see `sample_anchors`)."""
+        drafter, bs = self.drafter, self.drafter.block_size
+        b, n = anchors.shape
+        dtype = drafter.fc.weight.dtype
+        offsets = torch.arange(bs, device=ids.device)  # [bs]
+        blocks = drafter.block_embeddings(ids.gather(1, anchors), self.embed).to(dtype)  # [B, N*bs, D]
+        positions = (anchors[..., None] + offsets).flatten(1)  # [B, N*bs]
+        ctx_positions = torch.arange(ids.shape[1], device=ids.device).expand(b, -1)  # [B, L]
+        hidden = drafter(blocks, positions, features.to(dtype), ctx_positions, anchors)  # [B, N*bs, D]
+        hidden = hidden.view(b, n, bs, -1)[:, :, 1:]  # [B, N, bs−1, D]: the drafted slots
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()  # [B, N, bs−1, V]
+        target_pos = anchors[..., None] + offsets[1:]  # [B, N, bs−1]
+        valid = keep[..., None] & (target_pos < lengths[:, None, None])  # [B, N, bs−1]
+        targets = ids.gather(1, target_pos.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(target_pos)
+        ce = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(targets)
+        weights = valid * position_weights(bs, self.gamma, ids.device)  # [B, N, bs−1]
+        loss = (ce * weights).sum() / weights.sum()
+        correct = (logits.argmax(dim=-1) == targets) & valid
+        return BlockLoss(loss, ce, weights, correct)

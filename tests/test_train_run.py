@@ -1,0 +1,178 @@
+"""DFlash trainer: exact resume, checkpoints without pickle, --init, CLI, and two DDP processes over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from exitspec.train import dist
+from exitspec.train.cli import main_dflash
+from exitspec.train.trainer import TrainConfig, make_drafter, train
+from tests.tiny_models import save_tiny_llama
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target folder and 10 synthetic rollouts (random prompt and response ids) in two shards."""
+    root = tmp_path_factory.mktemp("train")
+    save_tiny_llama(root / "target")
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for i in range(10):
+        prompt = torch.randint(2, 32, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
+        response = torch.randint(1, 32, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+        records.append(json.dumps({"id": f"r{i}", "prompt_ids": prompt, "response_ids": response}) + "\n")
+    (root / "rollouts").mkdir()
+    (root / "rollouts" / "shard-00000.jsonl").write_text("".join(records[:6]))
+    (root / "rollouts" / "shard-00001.jsonl").write_text("".join(records[6:]))
+    return root
+
+
+def config(root, run: str, **kw) -> TrainConfig:
+    base = dict(
+        rollouts=str(root / "rollouts"),
+        run_dir=str(root / run),
+        target=str(root / "target"),
+        block_size=4,
+        steps=6,
+        batch_size=3,
+        anchors=4,
+        max_len=24,
+        lr=1e-2,
+        warmup=2,
+        save_every=2,
+        log_every=1,
+        weight_decay=0.1,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def weights(folder) -> dict:
+    return load_file(folder / "model.safetensors")
+
+
+def losses(run_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())]
+
+
+def test_stopped_and_resumed_run_equals_uninterrupted_run(setup):
+    whole = config(setup, "whole")
+    train(whole, progress=False)
+    split = config(setup, "split")
+    train(split, stop_at=3, progress=False)  # checkpoints at steps 2 and 3
+    ckpts = setup / "split" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002", "step-00000003"]
+    step3 = ckpts / "step-00000003"
+    assert sorted(p.name for p in step3.iterdir()) == [
+        "drafter",
+        "optimizer.safetensors",
+        "rng-rank0.json",
+        "state.json",
+    ]
+    assert not (setup / "split" / "final").exists()
+    state = json.loads((step3 / "state.json").read_text())
+    assert state["step"] == 3 and state["data"]["position"] == 9 and state["config"] == asdict(split)
+    opt = load_file(step3 / "optimizer.safetensors")
+    assert {k.rpartition("/")[2] for k in opt} == {"exp_avg", "exp_avg_sq", "step"}
+    assert opt["fc.weight/step"].item() == 3
+
+    import shutil
+
+    shutil.rmtree(step3)  # as if killed while step 3's checkpoint was written: the log has a line past step 2
+    assert [s for s, _ in losses(setup / "split")] == [1, 2, 3]
+    result = train(split, progress=False)
+    assert result.summary["steps_this_run"] == 4
+    a, b = weights(setup / "whole" / "final"), weights(setup / "split" / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(setup / "split") == losses(setup / "whole")  # step 3 logged once, as in the whole run
+    assert all(not f.name.endswith((".pt", ".pth", ".bin", ".pkl")) for f in (setup / "split").rglob("*"))
+    summary = json.loads((setup / "whole" / "summary.json").read_text())
+    assert summary["step"] == 6 and len(summary["last_window"]["acc_k"]) == 3
+
+
+def test_resume_refuses_another_configuration(setup):
+    train(config(setup, "strict", steps=2), progress=False)
+    with pytest.raises(ValueError, match="anchors"):
+        train(config(setup, "strict", steps=4, anchors=5), progress=False)
+
+
+def test_init_starts_from_a_drafter_checkpoint(setup):
+    train(config(setup, "base", steps=2), progress=False)
+    cfg = config(setup, "tuned", init=str(setup / "base" / "final"))
+    from exitspec.models import load_model_and_tokenizer
+
+    target, _ = load_model_and_tokenizer(cfg.target)
+    drafter = make_drafter(cfg, target)
+    start = weights(setup / "base" / "final")
+    assert all(torch.equal(v, start[k]) for k, v in drafter.state_dict().items())
+
+
+def test_cli_trains_and_reports_errors(setup, capsys):
+    argv = [
+        "--target",
+        str(setup / "target"),
+        "--rollouts",
+        str(setup / "rollouts"),
+        "--run-dir",
+        str(setup / "cli"),
+        "--block-size",
+        "4",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--anchors",
+        "3",
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
+    assert main_dflash(argv) == 0
+    assert (setup / "cli" / "final" / "model.safetensors").is_file()
+    assert "accuracy by block position" in capsys.readouterr().out
+    assert main_dflash(argv[:2] + ["--rollouts", str(setup / "none"), "--run-dir", str(setup / "cli2")]) == 1
+    assert "--rollouts-only" in capsys.readouterr().err
+
+
+def ddp_worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    result = train(TrainConfig(**cfg), progress=False, device="cpu")
+    save_file({k: v.contiguous() for k, v in result.drafter.state_dict().items()}, f"{out}/rank{rank}.safetensors")
+    dist.teardown()
+
+
+def test_two_gloo_processes_end_with_identical_weights(setup):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = config(setup, "ddp", steps=3, batch_size=2)
+    mp.spawn(ddp_worker, args=(2, port, asdict(cfg), str(setup)), nprocs=2)
+    w0, w1 = load_file(setup / "rank0.safetensors"), load_file(setup / "rank1.safetensors")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    final = weights(setup / "ddp" / "final")
+    assert all(torch.equal(w0[k], final[k]) for k in w0)
+    ckpt = setup / "ddp" / "checkpoints" / "step-00000003"
+    assert {p.name for p in ckpt.glob("rng-rank*.json")} == {"rng-rank0.json", "rng-rank1.json"}
+    assert json.loads((ckpt / "state.json").read_text())["data"]["position"] == 12  # 3 steps × 2 ranks × 2
+    # the ranks trained on different sequences: one process on the same batch size ends elsewhere
+    train(replace(cfg, run_dir=str(setup / "single")), progress=False)
+    single = weights(setup / "single" / "final")
+    assert any(not torch.equal(w0[k], single[k]) for k in w0)
