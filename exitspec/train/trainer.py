@@ -33,7 +33,7 @@ from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.models import load_model_and_tokenizer
 from exitspec.train import dist
 from exitspec.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from exitspec.train.dflash_loss import DFlashObjective, sample_anchors, target_features
+from exitspec.train.dflash_loss import BlockLoss, DFlashObjective, sample_anchors, target_features
 from exitspec.train.rollouts import Rollout, load_rollouts
 
 BETAS = (0.9, 0.95)
@@ -105,6 +105,7 @@ class RolloutData:
         return len(self.seqs)
 
     def indices(self, position: int, count: int) -> list[int]:
+        """Sequence indices at stream positions position .. position+count−1."""
         out = []
         for g in range(position, position + count):
             epoch = g // len(self)
@@ -142,8 +143,7 @@ class Window:
         self.sums = torch.zeros(4 + 2 * self.k, dtype=torch.float64, device=device)
         self.steps, self.start = 0, time.perf_counter()
 
-    def add(self, out, tokens: int, grad_norm: Tensor) -> None:
-        """out: a BlockLoss."""
+    def add(self, out: BlockLoss, tokens: int, grad_norm: Tensor) -> None:
         w = out.weights.detach()
         self.sums[0] += (out.ce.detach() * w).sum()
         self.sums[1] += w.sum()
