@@ -16,12 +16,14 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 
-from exitspec.drafters.base import Drafter
+from exitspec.drafters import Drafter, load_drafter
+from exitspec.models import load_model_and_tokenizer
 from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams, sample_rows, target_probs
 from exitspec.target import TargetModel
@@ -187,11 +189,24 @@ class SpeculativeDecoder:
             )
         self.target, self.drafter = target, drafter
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | Path | None = None,
+        drafter: str | Path = "ngram",
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> SpeculativeDecoder:
+        """A local HF model folder (None: the default SmolLM2-135M-Instruct) and a drafter (see load_drafter)."""
+        hf_model, tokenizer = load_model_and_tokenizer(model, device, dtype)
+        draft = load_drafter(drafter, hf_model)
+        return cls(TargetModel(hf_model, tokenizer, draft.feature_layers), draft)
+
     def generate(
         self,
         prompt: Prompt,
         max_new_tokens: int = 128,
-        temperature: float = 1.0,
+        temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
         budget: int = 32,
@@ -255,7 +270,7 @@ def generate_autoregressive(
     target: TargetModel,
     prompt: Prompt,
     max_new_tokens: int = 128,
-    temperature: float = 1.0,
+    temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,

@@ -93,7 +93,7 @@ def sample_rows(probs: Tensor, generator: torch.Generator | None = None) -> Tens
     The draw is clamped to the last token with positive mass so that rounding can never pick a zero.
     """
     cdf = torch.cumsum(probs, dim=-1)  # [..., V]
-    total = cdf[..., -1:]  # [..., 1]
+    total = cdf[..., -1:].contiguous()  # [..., 1]
     u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * total
     drawn = torch.searchsorted(cdf, u, right=True)
     last_positive = torch.searchsorted(cdf, total, right=False)

@@ -95,6 +95,9 @@ class DraftTree:
         return torch.ones_like(self.parents, dtype=torch.bool)
 
     def to(self, device) -> DraftTree:
+        """The tree on `device`; the same object (with its cached masks) when it is already there."""
+        if self.parents.device == torch.device(device):
+            return self
         return DraftTree(self.parents.to(device), self.tokens.to(device), self.depths.to(device))
 
     def validate(self, vocab_size: int | None = None) -> None:

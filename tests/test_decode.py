@@ -1,0 +1,163 @@
+"""End to end on a tiny random Llama: exact output law, greedy equality, stopping, streaming, bad input."""
+
+import pytest
+import torch
+
+from exitspec.build import build_ddtree
+from exitspec.check import g_test_pvalue
+from exitspec.decode import SpeculativeDecoder, generate_autoregressive
+from exitspec.drafters import NgramDrafter
+from exitspec.target import TargetModel
+from exitspec.tree import DraftTree
+from tiny_models import tiny_llama
+
+VOCAB = 8
+PROMPT = [2, 5, 3, 7, 2, 5]
+DRAWS = 2500
+
+
+class RandomTreeDrafter:
+    """A drafter that knows nothing: random per-depth marginals, DDTree-built. Exactness must not care."""
+
+    feature_layers = ()
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab, self.gen = vocab, torch.Generator().manual_seed(seed)
+
+    def begin(self, prompt_ids, features):
+        pass
+
+    def propose(self, context_ids, max_depth):
+        return 2.0 * torch.randn(max_depth, self.vocab, generator=self.gen)  # [H, V]
+
+    def build(self, proposal, root_token, budget):
+        return build_ddtree(proposal, root_token, budget)
+
+    def commit(self, committed_ids, features):
+        pass
+
+
+def exact_first_tokens_law(model, prompt: list[int], n: int = 3) -> torch.Tensor:
+    """[V]*n joint probabilities of the first n generated tokens, enumerated with full causal forwards."""
+    law = torch.ones(())
+    prefixes = torch.tensor([prompt])  # [1, L]
+    for _ in range(n):
+        with torch.no_grad():
+            probs = torch.softmax(model(prefixes).logits[:, -1].double(), dim=-1)  # [V^k, V]
+        law = (law.reshape(-1, 1) * probs).reshape(*([VOCAB] * (law.dim() + 1)))
+        prefixes = torch.cat(
+            [prefixes.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(prefixes.shape[0])[:, None]], dim=1
+        )
+    return law
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=VOCAB, seed=3)
+
+
+@pytest.fixture(scope="module")
+def first_tokens_counts(model):
+    """verifier → counts [V, V, V] of the first 3 tokens over DRAWS seeded speculative runs at temperature 1."""
+    cache = {}
+
+    def counts(verifier: str) -> torch.Tensor:
+        if verifier not in cache:
+            decoder = SpeculativeDecoder(TargetModel(model), RandomTreeDrafter(VOCAB, seed=1))
+            cache[verifier] = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
+            for seed in range(DRAWS):
+                out = decoder.generate(PROMPT, 3, temperature=1.0, budget=6, verifier=verifier, seed=seed, stop_tokens=())
+                cache[verifier][tuple(out.tokens)] += 1
+        return cache[verifier]
+
+    return counts
+
+
+@pytest.mark.parametrize("verifier", ["predraw", "sequential", "tev"])
+def test_first_three_tokens_follow_the_target_law(model, first_tokens_counts, verifier):
+    assert g_test_pvalue(first_tokens_counts(verifier), exact_first_tokens_law(model, PROMPT)) > 1e-3
+
+
+def test_wrong_target_law_is_detected(first_tokens_counts):
+    """The same counts against a different model's law must fail: the check has power."""
+    other = tiny_llama(vocab_size=VOCAB, seed=4)
+    assert g_test_pvalue(first_tokens_counts("tev"), exact_first_tokens_law(other, PROMPT)) < 1e-3
+
+
+@pytest.mark.parametrize("verifier", ["greedy", "predraw", "sequential", "tev"])
+@pytest.mark.parametrize("budget", [0, 1, 8, 32])
+def test_greedy_equals_transformers_generate(model, verifier, budget):
+    expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)
+    for drafter in (RandomTreeDrafter(VOCAB), NgramDrafter()):
+        decoder = SpeculativeDecoder(TargetModel(model), drafter)
+        out = decoder.generate(PROMPT, 40, temperature=0.0, budget=budget, verifier=verifier, stop_tokens=())
+        assert out.tokens == expected[0, len(PROMPT) :].tolist()
+        assert all(r.tree_size <= budget for r in out.rounds)
+
+
+def test_autoregressive_baseline_equals_generate(model):
+    expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=30, do_sample=False, eos_token_id=None)
+    out = generate_autoregressive(TargetModel(model), PROMPT, 30, temperature=0.0, stop_tokens=())
+    assert out.tokens == expected[0, len(PROMPT) :].tolist() and out.tau == 1.0
+
+
+def test_stats_are_consistent(model):
+    decoder = SpeculativeDecoder(TargetModel(model), RandomTreeDrafter(VOCAB))
+    out = decoder.generate(PROMPT, 50, temperature=1.0, budget=8, seed=0, stop_tokens=())
+    s = out.summary()
+    assert s["new_tokens"] == 50 == sum(r.emitted for r in out.rounds)
+    assert s["tau"] == pytest.approx(sum(a + 1 for a in s["accepted_lengths"]) / s["rounds"])
+    assert all(0 <= c <= 8 for c in s["coverage_per_round"])
+    assert set(s["stage_seconds"]) == {"draft", "build", "target", "verify", "commit"}
+    assert s["tokens_per_second"] > 0 and s["stopped_by"] == "max_new_tokens"
+
+
+def test_stops_after_a_stop_token(model):
+    decoder = SpeculativeDecoder(TargetModel(model), RandomTreeDrafter(VOCAB))
+    full = decoder.generate(PROMPT, 40, temperature=0.0, budget=8, stop_tokens=())
+    stop = full.tokens[10]
+    out = decoder.generate(PROMPT, 40, temperature=0.0, budget=8, stop_tokens=[stop])
+    assert out.tokens == full.tokens[: full.tokens.index(stop) + 1] and out.stopped_by == "stop_token"
+
+
+def test_stops_at_the_context_limit():
+    small = tiny_llama(vocab_size=VOCAB, max_position_embeddings=16)
+    decoder = SpeculativeDecoder(TargetModel(small), RandomTreeDrafter(VOCAB))
+    out = decoder.generate(PROMPT, 100, temperature=0.0, budget=8, stop_tokens=())
+    assert len(PROMPT) + len(out.tokens) == 16 and out.stopped_by == "context"
+    expected = small.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert out.tokens == expected[0, len(PROMPT) :].tolist()
+
+
+def test_bad_input_gets_clear_errors(model):
+    decoder = SpeculativeDecoder(TargetModel(model), RandomTreeDrafter(VOCAB))
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        decoder.generate(PROMPT, 5, budget=-1)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        decoder.generate([], 5)
+    with pytest.raises(ValueError, match="does not fit the model's context of 128"):
+        decoder.generate([2] * 128, 5)
+    with pytest.raises(ValueError, match="unknown verifier 'fast'"):
+        decoder.generate(PROMPT, 5, verifier="fast")
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        decoder.generate([2, 99], 5)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        decoder.generate("text needs a tokenizer", 5)
+
+
+def test_a_drafter_that_breaks_the_budget_is_refused(model):
+    class Greedy(RandomTreeDrafter):
+        def build(self, proposal, root_token, budget):
+            return build_ddtree(proposal, root_token, budget + 3)
+
+    with pytest.raises(RuntimeError, match="expected at most 4 nodes"):
+        SpeculativeDecoder(TargetModel(model), Greedy(VOCAB)).generate(PROMPT, 10, budget=4)
+
+
+def test_an_invalid_tree_is_refused(model):
+    class Broken(RandomTreeDrafter):
+        def build(self, proposal, root_token, budget):
+            return DraftTree(torch.tensor([-1, 0, 0]), torch.tensor([root_token, 3, 3]), torch.tensor([0, 1, 1]))
+
+    with pytest.raises(ValueError, match="same token 3"):
+        SpeculativeDecoder(TargetModel(model), Broken(VOCAB)).generate(PROMPT, 10, budget=4)
