@@ -96,7 +96,7 @@ class DraftTree:
 
     def to(self, device) -> DraftTree:
         """The tree on `device`; the same object (with its cached masks) when it is already there."""
-        if self.parents.device == torch.device(device):
+        if device is None or self.parents.device == torch.device(device):
             return self
         return DraftTree(self.parents.to(device), self.tokens.to(device), self.depths.to(device))
 

@@ -20,15 +20,6 @@ VOCAB, HIDDEN, TARGET_LAYERS, BLOCK = 32, 32, 4, 5
 MASK_ID = 31
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add OpenMP spin-waits, badly so on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
     torch.manual_seed(0)

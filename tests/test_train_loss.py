@@ -11,17 +11,9 @@ import torch.nn.functional as F
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.train.dflash_loss import DFlashObjective, position_weights, sample_anchors, target_features
 from exitspec.train.trainer import Window
-from tests.tiny_models import tiny_llama
+from tiny_models import tiny_llama
 
 BLOCK, GAMMA = 4, 2.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

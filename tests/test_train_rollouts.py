@@ -13,18 +13,10 @@ from transformers import PreTrainedTokenizerFast
 from exitspec.train.cli import main_dflash
 from exitspec.train.prompts import gsm8k_train, interleave, json_array_records
 from exitspec.train.rollouts import GenerationSettings, done_ids, load_rollouts, make_rollouts
-from tests.tiny_models import save_tiny_llama, tiny_llama
+from tiny_models import save_tiny_llama, tiny_llama
 
 EOS = 1
 SETTINGS = GenerationSettings(model="tiny", max_new_tokens=6)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

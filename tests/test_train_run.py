@@ -15,15 +15,7 @@ from safetensors.torch import load_file, save_file
 from exitspec.train import dist
 from exitspec.train.cli import main_dflash
 from exitspec.train.trainer import TrainConfig, make_drafter, train
-from tests.tiny_models import save_tiny_llama
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tiny_models import save_tiny_llama
 
 
 @pytest.fixture(scope="module")

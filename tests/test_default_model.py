@@ -1,0 +1,42 @@
+"""The embedded default model (SmolLM2-135M-Instruct): greedy speculative decoding equals
+`model.generate(do_sample=False)` token for token, for every verifier and budgets 1, 8 and 32."""
+
+import pytest
+import torch
+
+from exitspec.decode import SpeculativeDecoder, encode_prompt
+
+PROMPTS = [
+    "What is 17 times 23? Think step by step.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Give me three tips for sleeping better.",
+    "Summarise the water cycle in one paragraph.",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+]
+NEW_TOKENS = 64
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return SpeculativeDecoder.from_pretrained(None, "ngram")
+
+
+@pytest.fixture(scope="module")
+def references(decoder):
+    """prompt → the target's own greedy continuation from transformers' generate."""
+    refs = {}
+    for prompt in PROMPTS:
+        ids = torch.tensor([encode_prompt(decoder.target.tokenizer, prompt)])
+        out = decoder.target.model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        refs[prompt] = out[0, ids.shape[1] :].tolist()
+    return refs
+
+
+@pytest.mark.parametrize("budget", [1, 8, 32])
+@pytest.mark.parametrize("verifier", ["greedy", "predraw", "sequential", "tev"])
+def test_greedy_speculative_equals_generate(decoder, references, verifier, budget):
+    for prompt in PROMPTS:
+        out = decoder.generate(prompt, NEW_TOKENS, temperature=0.0, budget=budget, verifier=verifier)
+        assert out.tokens == references[prompt], (prompt, verifier, budget)
