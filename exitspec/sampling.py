@@ -34,7 +34,13 @@ class SamplingParams:
 
 
 def check_finite(logits: Tensor) -> None:
-    """Raises ValueError naming the first row of `logits` [..., V] with a NaN or inf entry."""
+    """Raises ValueError naming the first row of `logits` [..., V] with a NaN or inf entry.
+
+    A row sum is finite unless the row holds a NaN or inf (or overflows), so one reduction screens all rows;
+    the element-wise test only runs to find the culprit.
+    """
+    if bool(torch.isfinite(logits.sum(dim=-1)).all()):
+        return
     finite = torch.isfinite(logits).all(dim=-1)  # [...]
     if not bool(finite.all()):
         row = tuple(torch.nonzero(~finite)[0].tolist())
@@ -57,24 +63,28 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return probs
 
 
-def _nucleus(probs: Tensor, top_p: float, candidates: int = 64) -> Tensor:
+def _nucleus(probs: Tensor, top_p: float, candidates: tuple[int, ...] = (64, 1024)) -> Tensor:
     """Keeps the smallest most-probable set whose mass reaches top_p (at least one token), renormalised.
 
-    A token is kept when the mass of the tokens ranked above it is below top_p. Rows whose nucleus lies in
-    their top `candidates` tokens (the usual case for a language model) need only a top-k; the other rows
-    are sorted in full.
+    A token is kept when the mass of the tokens ranked above it is below top_p. Each row's nucleus is looked
+    for in its top-k tokens for growing k (a language model's nucleus is usually small); rows whose nucleus
+    is larger than every k are sorted in full.
     """
-    kept = torch.zeros_like(probs)
     vocab = probs.shape[-1]
-    flat, kept_flat = probs.reshape(-1, vocab), kept.view(-1, vocab)  # [R, V]
-    top, order = torch.topk(flat, min(candidates, vocab), dim=-1)  # [R, k] descending
-    in_top = torch.cumsum(top, dim=-1)[:, -1] >= top_p  # [R] nucleus found inside the top k
-    rows = torch.nonzero(~in_top).flatten()
-    if rows.numel():
-        full, full_order = torch.sort(flat[rows], dim=-1, descending=True)  # [r, V]
-        kept_flat[rows] = _keep_nucleus(full, full_order, top_p)
-    if bool(in_top.any()):
-        kept_flat[in_top] = _keep_nucleus(top[in_top], order[in_top], top_p, vocab)
+    flat = probs.reshape(-1, vocab)  # [R, V]
+    kept = torch.zeros_like(flat)
+    todo = torch.arange(flat.shape[0], device=probs.device)  # rows still without a nucleus
+    for k in candidates:
+        if k >= vocab or todo.numel() == 0:
+            break
+        top, order = torch.topk(flat[todo], k, dim=-1)  # [r, k] descending
+        found = torch.cumsum(top, dim=-1)[:, -1] >= top_p  # [r] the nucleus lies inside the top k
+        kept[todo[found]] = _keep_nucleus(top[found], order[found], top_p, vocab)
+        todo = todo[~found]
+    if todo.numel():
+        full, full_order = torch.sort(flat[todo], dim=-1, descending=True)  # [r, V]
+        kept[todo] = _keep_nucleus(full, full_order, top_p)
+    kept = kept.reshape(probs.shape)
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
