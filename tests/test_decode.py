@@ -6,7 +6,8 @@ import torch
 from exitspec.build import build_ddtree
 from exitspec.check import g_test_pvalue
 from exitspec.decode import SpeculativeDecoder, generate_autoregressive
-from exitspec.drafters import NgramDrafter
+from exitspec.drafters import DFlashDrafter, NgramDrafter
+from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 from tiny_models import tiny_llama
@@ -93,6 +94,19 @@ def test_greedy_equals_transformers_generate(model, verifier, budget):
         out = decoder.generate(PROMPT, 40, temperature=0.0, budget=budget, verifier=verifier, stop_tokens=())
         assert out.tokens == expected[0, len(PROMPT) :].tolist()
         assert all(r.tree_size <= budget for r in out.rounds)
+
+
+@pytest.mark.parametrize("verifier", ["greedy", "tev"])
+def test_greedy_with_a_dflash_drafter_equals_generate(model, verifier):
+    """An untrained DFlash drafter reads target features through the whole loop; the output stays exact."""
+    torch.manual_seed(0)
+    draft = DFlashModel.for_target(model.config, num_layers=1, block_size=6, std=0.5)
+    drafter = DFlashDrafter(draft, model.get_input_embeddings(), model.get_output_embeddings())
+    decoder = SpeculativeDecoder(TargetModel(model, feature_layers=drafter.feature_layers), drafter)
+    expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)
+    out = decoder.generate(PROMPT, 40, temperature=0.0, budget=8, verifier=verifier, stop_tokens=())
+    assert out.tokens == expected[0, len(PROMPT) :].tolist()
+    assert max(r.tree_size for r in out.rounds) == 8
 
 
 def test_autoregressive_baseline_equals_generate(model):
