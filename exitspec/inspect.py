@@ -1,0 +1,368 @@
+"""`exitspec inspect "prompt"`: where does the target's probability mass leave the drafter's trees?
+
+A few rounds of ordinary exact tree speculative decoding (`SpeculativeDecoder.generate`, unchanged) run on a
+`RoundRecorder` target, which keeps each round's tree, target logits and accepted path. For every round the
+exit law of flow.py (paper Eqs. 1–5) is evaluated on the warped target distribution p_v:
+
+    P(root) = 1,  P(u) = P(parent) · p_parent(x_u),  rho(v) = 1 − Σ_children p_v(x_c),  w(v) = P(v) · rho(v)
+    C_p = Σ_{u≠root} P(u),   τ = accepted + 1 (this round),   E[τ] = 1 + C_p
+
+and reported: τ, C_p, the exit mass w at the root and summed per depth, and the nodes with the largest w with
+their root-to-node draft text. A PNG shows one round's tree coloured by w(v) (x = depth, y = sibling order)
+and the exit mass per depth across rounds; `--json` prints everything (trees included) as one object.
+
+    exitspec inspect "Write a haiku about the sea." --rounds 8 --budget 32 --plot inspect.png
+    exitspec inspect "5 6 7 5 6" --ids --model tiny_folder --drafter ngram --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from torch import Tensor
+
+from exitspec.decode import SpeculativeDecoder
+from exitspec.drafters import load_drafter
+from exitspec.flow import TreeFlow, tree_flow
+from exitspec.models import load_model_and_tokenizer
+from exitspec.sampling import SamplingParams, target_probs
+from exitspec.target import TargetModel, TreeForward
+from exitspec.tree import DraftTree
+from exitspec.verify import DECIDERS
+
+
+class RoundRecorder(TargetModel):
+    """A TargetModel that records every verified tree, its logits [N+1, V] and the accepted path, and has no
+    room left after `max_rounds` rounds, so that `generate` ends there (its stopped_by then reads "context")."""
+
+    def __init__(self, model, tokenizer, feature_layers: tuple[int, ...], max_rounds: int):
+        self.max_rounds = max_rounds
+        super().__init__(model, tokenizer, feature_layers)
+
+    def reset(self) -> None:
+        super().reset()
+        self.trees: list[DraftTree] = []
+        self.logits: list[Tensor] = []
+        self.paths: list[list[int]] = []
+
+    @property
+    def max_context(self) -> int:
+        return self.cache_len + 1 if len(self.paths) >= self.max_rounds else super().max_context
+
+    def forward_tree(self, tree: DraftTree) -> TreeForward:
+        out = super().forward_tree(tree)
+        self.trees.append(tree)
+        self.logits.append(out.logits)
+        return out
+
+    def commit(self, tree: DraftTree, path: list[int]) -> None:
+        super().commit(tree, path)
+        self.paths.append([int(u) for u in path])
+
+
+@dataclass(frozen=True)
+class RoundExit:
+    tree: DraftTree  # on the CPU
+    flow: TreeFlow  # the exit law on the warped target distribution, float64, on the CPU
+    path: list[int]  # accepted nodes, root excluded
+    bonus: int | None  # the bonus token (None when a stop token or the limit cut the block)
+
+    @property
+    def exit_by_depth(self) -> list[float]:
+        """Σ_{v at depth d} w(v) for d = 0 (the root) .. tree depth; sums to 1."""
+        mass = torch.zeros(self.tree.depth + 1, dtype=self.flow.exit.dtype)
+        return mass.scatter_add_(0, self.tree.depths, self.flow.exit).tolist()
+
+
+def inspect_rounds(
+    decoder: SpeculativeDecoder,
+    prompt,
+    budget: int,
+    params: SamplingParams,
+    verifier: str = "tev",
+    seed: int = 0,
+    chat: bool = True,
+) -> tuple[list[int], list[RoundExit], list[int]]:
+    """Decodes up to the recorder's max_rounds rounds → (prompt ids, per-round exit laws, generated tokens)."""
+    target = decoder.target
+    if not isinstance(target, RoundRecorder):
+        raise TypeError("inspect_rounds needs a decoder whose target is a RoundRecorder")
+    target.reset()
+    result = decoder.generate(
+        prompt,
+        max_new_tokens=target.max_rounds * (budget + 1) + 1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        budget=budget,
+        verifier=verifier,
+        seed=seed,
+        chat=chat,
+    )  # the token limit never binds: every round emits at most budget + 1 tokens
+    rounds, start = [], 0
+    for tree, logits, path, stats in zip(target.trees, target.logits, target.paths, result.rounds):
+        block = result.tokens[start : start + stats.emitted]
+        start += stats.emitted
+        tree = tree.to("cpu")
+        flow = tree_flow(tree, target_probs(logits, params).double().cpu())
+        bonus = block[len(path)] if len(block) > len(path) else None
+        rounds.append(RoundExit(tree, flow, path, bonus))
+    return result.prompt_ids, rounds, result.tokens
+
+
+def describe(rounds: list[RoundExit], tokenizer, top: int = 5) -> list[dict]:
+    """JSON-able per-round records: τ, C_p, exit mass by depth, the `top` most-exited nodes, the whole tree."""
+    out = []
+    for r, rnd in enumerate(rounds):
+        tree, flow = rnd.tree, rnd.flow
+        accepted = set(rnd.path)
+        order = torch.argsort(flow.exit, descending=True, stable=True)[:top].tolist()
+        exits = []
+        for v in order:
+            tokens = tree.tokens[tree.path(v)].tolist()
+            exits.append(
+                {
+                    "node": v,
+                    "depth": int(tree.depths[v]),
+                    "w": float(flow.exit[v]),
+                    "P": float(flow.reach[v]),
+                    "rho": float(flow.rho[v]),
+                    "accepted": v == 0 or v in accepted,
+                    "tokens": tokens,
+                    "text": _text(tokenizer, tokens),
+                }
+            )
+        out.append(
+            {
+                "round": r,
+                "tree_size": tree.num_nodes,
+                "depth": tree.depth,
+                "accepted": len(rnd.path),
+                "tau": len(rnd.path) + 1,
+                "coverage": float(flow.coverage),
+                "exit_root": float(flow.exit[0]),
+                "exit_by_depth": rnd.exit_by_depth,
+                "bonus": rnd.bonus,
+                "top_exits": exits,
+                "tree": {
+                    "parents": tree.parents.tolist(),
+                    "tokens": tree.tokens.tolist(),
+                    "w": flow.exit.tolist(),
+                    "accepted_path": rnd.path,
+                },
+            }
+        )
+    return out
+
+
+def summarize(records: list[dict]) -> dict:
+    """Means over rounds: τ, C_p (so 1 + C_p is the expected τ), exit mass per depth (0 past a tree's depth)."""
+    n = max(len(records), 1)
+    depth = max((len(r["exit_by_depth"]) for r in records), default=0)
+    by_depth = [sum(r["exit_by_depth"][d] for r in records if d < len(r["exit_by_depth"])) / n for d in range(depth)]
+    return {
+        "rounds": len(records),
+        "tau": sum(r["tau"] for r in records) / n,
+        "mean_coverage": sum(r["coverage"] for r in records) / n,
+        "mean_exit_by_depth": by_depth,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The plot
+
+
+def tree_layout(tree: DraftTree) -> Tensor:
+    """[N+1, 2] (x, y): x = depth; leaves take y = 0, 1, … in depth-first sibling order, a parent the mean of its
+    children (children follow their parents in the node order, so one backward sweep places every parent)."""
+    y = torch.zeros(tree.size, dtype=torch.float64)
+    stack, leaf = [0], 0
+    while stack:
+        v = stack.pop()
+        if not tree.children[v]:
+            y[v], leaf = leaf, leaf + 1
+        stack.extend(reversed(tree.children[v]))
+    for v in range(tree.size - 1, -1, -1):
+        if tree.children[v]:
+            y[v] = y[tree.children[v]].mean()
+    return torch.stack([tree.depths.double(), y], dim=1)
+
+
+def plot_rounds(rounds: list[RoundExit], records: list[dict], path: str, plot_round: int = 0) -> None:
+    """Writes a PNG: round `plot_round`'s tree coloured by w(v) (accepted path in red), then the exit mass per
+    depth of every round as stacked bars."""
+    fig = Figure(figsize=(14, 6), layout="constrained")
+    ax_tree, ax_bars = fig.subplots(1, 2, width_ratios=[3, 2])
+    rnd, rec = rounds[plot_round], records[plot_round]
+    tree, w = rnd.tree, rnd.flow.exit
+    xy = tree_layout(tree)
+    on_path = set(rnd.path)
+    for u in range(1, tree.size):
+        p = int(tree.parents[u])
+        accepted = u in on_path
+        ax_tree.plot(*xy[[p, u]].T, color="tab:red" if accepted else "0.7", lw=2.5 if accepted else 0.8, zorder=1)
+    norm = Normalize(0.0, max(float(w.max()), 1e-12))
+    ax_tree.scatter(xy[:, 0], xy[:, 1], c=w, cmap="viridis", norm=norm, s=60, edgecolors="k", linewidths=0.4, zorder=2)
+    labels = {e["node"]: e["text"] for e in rec["top_exits"]}
+    for v in range(tree.size):
+        label = "root" if v == 0 else repr(labels[v]) if v in labels else ""
+        ax_tree.annotate(label, xy[v], xytext=(5, 3), textcoords="offset points", fontsize=7)
+    ax_tree.invert_yaxis()
+    ax_tree.set_yticks([])
+    ax_tree.set_xlabel("depth")
+    ax_tree.set_title(
+        f"round {plot_round}: N={tree.num_nodes}, τ={rec['tau']}, C_p={rec['coverage']:.2f}, w(root)={rec['exit_root']:.2f}"
+        f"\nlabels: the {len(labels)} most-exited nodes (root-to-node text); red: the accepted path",
+        fontsize=10,
+    )
+    fig.colorbar(ScalarMappable(norm, "viridis"), ax=ax_tree, label="exit mass w(v) = P(v)·rho(v)")
+
+    depth = max(len(r["exit_by_depth"]) for r in records)
+    bottom = torch.zeros(len(records), dtype=torch.float64)
+    colors = [f"C{d % 10}" for d in range(depth)]
+    for d in range(depth):
+        mass = torch.tensor([r["exit_by_depth"][d] if d < len(r["exit_by_depth"]) else 0.0 for r in records])
+        ax_bars.bar(range(len(records)), mass, bottom=bottom, color=colors[d], label=f"depth {d}")
+        bottom += mass
+    ax_bars.set_xlabel("round")
+    ax_bars.set_ylabel("exit mass Σ w(v) per depth (bars)")
+    ax_bars.set_ylim(0, 1)
+    ax_acc = ax_bars.twinx()
+    ax_acc.plot([r["coverage"] for r in records], "k--", label="C_p = E[accepted]")
+    ax_acc.plot([r["tau"] - 1 for r in records], "ko", label="accepted = τ − 1")
+    ax_acc.set_ylim(0, max(r["depth"] for r in records) + 1)
+    ax_acc.set_ylabel("draft tokens")
+    handles = [h + a for h, a in zip(ax_bars.get_legend_handles_labels(), ax_acc.get_legend_handles_labels())]
+    ax_acc.legend(*handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.15, 1.0))
+    for ax in (ax_tree, ax_bars):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_bars.set_title("where the target's mass leaves the tree, per round")
+    fig.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="exitspec inspect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("prompt", help="the user message (chat template), or token ids with --ids")
+    p.add_argument("--ids", action="store_true", help="the prompt is token ids separated by spaces or commas")
+    p.add_argument("--model", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default="ngram", help="'ngram' or a DFlash checkpoint folder")
+    p.add_argument("--rounds", type=int, default=8, help="decoding rounds to inspect")
+    p.add_argument("--budget", type=int, default=32, help="draft tokens per tree (B)")
+    p.add_argument("--temperature", type=float, default=1.0, help="target warp (0 = greedy: one-hot exits)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--verifier", default="tev", choices=sorted(DECIDERS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top", type=int, default=5, help="most-exited nodes shown per round")
+    p.add_argument("--plot", default="exitspec-inspect.png", help="PNG path ('' for no plot)")
+    p.add_argument("--plot-round", type=int, default=0, help="the round whose tree is drawn")
+    p.add_argument("--no-chat", action="store_true", help="encode the prompt as plain text, no chat template")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main_inspect(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.rounds < 1 or args.budget < 1:
+            raise ValueError(f"--rounds and --budget must be >= 1, got {args.rounds} and {args.budget}")
+        prompt = [int(t) for t in args.prompt.replace(",", " ").split()] if args.ids else args.prompt
+        params = SamplingParams(args.temperature, args.top_k, args.top_p)
+        hf_model, tokenizer = load_model_and_tokenizer(args.model, args.device, getattr(torch, args.dtype))
+        drafter = load_drafter(args.drafter, hf_model)
+        decoder = SpeculativeDecoder(RoundRecorder(hf_model, tokenizer, drafter.feature_layers, args.rounds), drafter)
+        prompt_ids, rounds, tokens = inspect_rounds(
+            decoder, prompt, args.budget, params, args.verifier, args.seed, chat=not args.no_chat
+        )
+        if not rounds:
+            raise ValueError("decoding stopped before the first round")
+        if not 0 <= args.plot_round < len(rounds):
+            raise ValueError(f"--plot-round {args.plot_round} is not one of the {len(rounds)} rounds")
+        records = describe(rounds, tokenizer, args.top)
+        if args.plot:
+            plot_rounds(rounds, records, args.plot, args.plot_round)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+        print(f"exitspec inspect: error: {err}", file=sys.stderr)
+        return 2
+    summary = summarize(records)
+    if args.json:
+        settings = {
+            k: getattr(args, k)
+            for k in (
+                "model",
+                "drafter",
+                "budget",
+                "temperature",
+                "top_p",
+                "top_k",
+                "verifier",
+                "seed",
+                "device",
+                "dtype",
+            )
+        }
+        print(
+            json.dumps(
+                {
+                    "prompt": args.prompt,
+                    "prompt_ids": prompt_ids,
+                    "token_ids": tokens,
+                    "text": _text(tokenizer, tokens),
+                    "settings": settings,
+                    "rounds": records,
+                    "summary": summary,
+                    "plot": args.plot or None,
+                }
+            )
+        )
+        return 0
+    print(_report(records, summary, args.plot))
+    return 0
+
+
+def _report(records: list[dict], summary: dict, plot: str) -> str:
+    lines = []
+    for r in records:
+        depths = "  ".join(f"d{d} {m:.3f}" for d, m in enumerate(r["exit_by_depth"]))
+        lines.append(
+            f"round {r['round']}: N={r['tree_size']} depth {r['depth']}  τ={r['tau']}  C_p={r['coverage']:.3f}  "
+            f"exit at root {r['exit_root']:.3f}  | exit mass by depth: {depths}"
+        )
+        for e in r["top_exits"]:
+            mark = "✓" if e["accepted"] else " "
+            lines.append(
+                f"   {mark} w {e['w']:.3f}  P {e['P']:.3f}  rho {e['rho']:.3f}  depth {e['depth']}  "
+                f"{'(root)' if e['node'] == 0 else repr(e['text'])}"
+            )
+    mean = "  ".join(f"d{d} {m:.3f}" for d, m in enumerate(summary["mean_exit_by_depth"]))
+    lines.append(
+        f"\n{summary['rounds']} rounds: mean τ {summary['tau']:.2f}, mean C_p {summary['mean_coverage']:.2f} "
+        f"(E[τ] = 1 + C_p = {1 + summary['mean_coverage']:.2f}); mean exit mass by depth: {mean}"
+        "\n(✓: on the accepted path; w = P·rho is where a target sample leaves the tree)"
+    )
+    if plot:
+        lines.append(f"plot: {plot}")
+    return "\n".join(lines)
+
+
+def _text(tokenizer, tokens: list[int]) -> str:
+    """Decoded text, or the ids themselves when the model has no tokenizer."""
+    if tokenizer is None:
+        return " ".join(map(str, tokens))
+    return tokenizer.decode(tokens, skip_special_tokens=False)

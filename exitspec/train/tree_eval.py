@@ -1,0 +1,92 @@
+"""Exact target evaluation of training-time draft trees: every node of every anchor's tree in one forward.
+
+For a training sequence x_0..x_{L-1} and anchors a_1..a_n, the drafter's block at a_i gives per-depth logits
+[H, V]; DDTree (`build_ddtree`, exactly as at inference) turns them into a tree T_i whose root carries x_{a_i}.
+At inference the target scores T_i against the committed context x_0..x_{a_i−1}; here all n trees are scored
+at once by the frozen target, without a cache, on the packed input
+
+    tokens:    x_0 .. x_{C−1} | T_1 (M slots) | T_2 (M slots) | … | T_n (M slots)      C = max_i a_i
+    positions: 0 .. C−1       | a_1 + depth   | a_2 + depth   | … | a_n + depth
+
+with an additive float 4D mask: context row j sees context rows ≤ j (causal); slot u of T_i sees context rows
+< a_i and the slots of T_i that are u or its ancestors, nothing of another tree. Node u's logits are then the
+target's next-token logits after x_0..x_{a_i−1} + the root-to-u path, the same as a separate causal forward
+(and as `TargetModel.forward_tree` at inference). Trees are padded to M slots (`TreeBatch`); a padded slot
+sees only the context and itself and carries no mass in `flow.tree_flow`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from exitspec.build import build_ddtree
+from exitspec.sampling import SamplingParams, target_probs
+from exitspec.tree import DraftTree, TreeBatch
+
+PLAIN = SamplingParams(1.0)  # temperature 1, no top-k / top-p: the target's own distribution
+
+
+@torch.no_grad()
+def build_anchor_trees(draft_logits: Tensor, roots: Tensor, keep: Tensor, budget: int) -> TreeBatch:
+    """draft_logits [B, N, H, V] (row d−1: depth d), roots [B, N] = x_{a_i}, keep [B, N] -> TreeBatch [B*N, M].
+
+    Tree (b, i) is the drafter's inference-time DDTree of `budget` nodes over the DETACHED logits; an anchor
+    that is not kept gets a root-only tree (no nodes, no loss, no cost in the target forward beyond one slot).
+    """
+    logits = draft_logits.detach().flatten(0, 1)  # [B*N, H, V]
+    trees = [
+        build_ddtree(rows, root, budget) if kept else DraftTree.root_only(root, device=rows.device)
+        for rows, root, kept in zip(logits, roots.flatten().tolist(), keep.flatten().tolist())
+    ]
+    return TreeBatch.stack(trees)
+
+
+def tree_attention_inputs(
+    ids: Tensor, anchors: Tensor, trees: TreeBatch, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed input of the module docstring: input ids [B, Q], position ids [B, Q], additive mask [B, 1, Q, Q].
+
+    ids [B, L] (right padding is never seen by a tree), anchors [B, N] (each a_i >= 0 with x_{a_i} the root of
+    tree (b, i)), trees [B*N, M]. Q = C + N*M with C = max anchor.
+    """
+    b, n = anchors.shape
+    m = trees.parents.shape[1]
+    c = int(anchors.max())
+    device = ids.device
+    tree_tokens = trees.tokens.view(b, n * m)  # [B, N*M]
+    tree_pos = (anchors[..., None] + trees.depths.view(b, n, m)).view(b, n * m)  # [B, N*M]: a_i + depth
+    input_ids = torch.cat([ids[:, :c], tree_tokens], dim=1)  # [B, Q]
+    positions = torch.cat([torch.arange(c, device=device).expand(b, c), tree_pos], dim=1)  # [B, Q]
+
+    causal = torch.ones(c, c, dtype=torch.bool, device=device).tril().expand(b, c, c)  # [B, C, C]
+    ctx_rows = torch.cat([causal, causal.new_zeros(b, c, n * m)], dim=2)  # [B, C, Q]: the context sees no tree
+    before_anchor = torch.arange(c, device=device) < anchors.repeat_interleave(m, dim=1)[..., None]  # [B, N*M, C]
+    same_tree = torch.eye(n, dtype=torch.bool, device=device)[None, :, None, :, None]  # [1, N, 1, N, 1]
+    ancestors = trees.ancestors.view(b, n, m, 1, m)  # [B, N, M, 1, M]: slot u of tree i sees slot v of tree i
+    tree_cols = (same_tree & ancestors).view(b, n * m, n * m)  # [B, N*M, N*M], block diagonal
+    visible = torch.cat([ctx_rows, torch.cat([before_anchor, tree_cols], dim=2)], dim=1)  # [B, Q, Q]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
+    return input_ids, positions, mask[:, None]
+
+
+@torch.no_grad()
+def evaluate_trees(
+    model: PreTrainedModel,
+    ids: Tensor,
+    anchors: Tensor,
+    trees: TreeBatch,
+    params: SamplingParams = PLAIN,
+) -> Tensor:
+    """Target probabilities [B*N, M, V] (float32, after `params`' warp) at every slot of every anchor's tree.
+
+    ids [B, L], anchors [B, N], trees [B*N, M] from `build_anchor_trees` (tree (b, i) rooted at ids[b, a_bi]).
+    One forward of the frozen HF causal LM (sdpa or eager attention) over the packed input, no cache; logits
+    are computed only for the tree slots.
+    """
+    b, n = anchors.shape
+    m = trees.parents.shape[1]
+    input_ids, positions, mask = tree_attention_inputs(ids, anchors, trees, model.dtype)
+    out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=False, logits_to_keep=n * m)
+    return target_probs(out.logits.view(b * n, m, -1), params)  # [B*N, M, V]
