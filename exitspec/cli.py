@@ -1,9 +1,10 @@
-"""Command line: `exitspec generate | check | train`.
+"""Command line: `exitspec generate | check | inspect | train`.
 
     exitspec generate "Why is the sky blue?"                 # default model, greedy, streamed
     exitspec generate "..." --temperature 1 --compare        # plus speedup over autoregressive decoding
     exitspec generate "..." --json                           # one JSON object for scripts
     exitspec check                                           # verifier-law check on random trees
+    exitspec inspect "..." --rounds 8                        # where the target's mass leaves the trees (+ PNG)
 """
 
 from __future__ import annotations
@@ -18,12 +19,18 @@ from exitspec.verify import DECIDERS
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["inspect"]:  # its own parser, so that `exitspec inspect --help` reaches it
+        from exitspec.inspect import main_inspect
+
+        return main_inspect(argv[1:])
     parser = argparse.ArgumentParser(prog="exitspec", description="Exact tree speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="generate text with exact tree speculative decoding"))
     _add_check(commands.add_parser("check", help="check every verifier's output law on random trees"))
+    commands.add_parser("inspect", help="where the target's mass leaves the draft trees (`exitspec inspect --help`)")
     train = commands.add_parser("train", help="train a drafter (see `exitspec train dflash --help`)")
-    train.add_argument("what", choices=["dflash"])
+    train.add_argument("what", choices=["dflash", "exit"])
     train.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     try:
@@ -31,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "check":
             return _check(args)
-        from exitspec.train.cli import main_dflash
+        from exitspec.train.cli import main_dflash, main_exit
 
-        return main_dflash(args.rest)
+        return (main_exit if args.what == "exit" else main_dflash)(args.rest)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
         print(f"exitspec: error: {err}", file=sys.stderr)
         return 2

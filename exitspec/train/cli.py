@@ -1,8 +1,10 @@
-"""`exitspec train dflash`: make rollouts of the target, then train a DFlash drafter on them.
+"""`exitspec train dflash | exit`: make rollouts of the target, then train a DFlash drafter on them.
 
 exitspec train dflash --rollouts-only --gsm8k 2000 --sharegpt 2000     # target rollouts -> runs/rollouts
 exitspec train dflash --steps 2000 --run-dir runs/dflash                # train (resumes runs/dflash if any)
 torchrun --nproc_per_node 8 -m exitspec.train.dflash --steps 2000       # the same on 8 processes (DDP)
+exitspec train exit --weight exit --lam 1 --budget 32                   # plus λ·L_exit on the drafter's own trees
+torchrun --nproc_per_node 8 -m exitspec.cli train exit --steps 2000     # the exit loss on 8 processes
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from exitspec.decode import encode_prompt
 from exitspec.models import DEFAULT_MODEL, load_model_and_tokenizer
 from exitspec.train import dist
+from exitspec.train.exit_loss import WEIGHT_MODES
 from exitspec.train.prompts import gsm8k_train, interleave, sharegpt
 from exitspec.train.rollouts import GenerationSettings, make_rollouts
 from exitspec.train.trainer import TrainConfig, train
@@ -27,8 +30,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The module docstring verbatim, and every option's default."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="exitspec train dflash", description=__doc__, formatter_class=_HelpFormatter)
+def build_parser(command: str = "dflash") -> argparse.ArgumentParser:
+    """The options of `exitspec train dflash`; `exit` adds the exit-loss group (dflash runs with the loss off)."""
+    p = argparse.ArgumentParser(prog=f"exitspec train {command}", description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--target", help=f"target HF causal-LM folder (default: {DEFAULT_MODEL})")
     p.add_argument("--device", help="default: cuda:LOCAL_RANK if CUDA is available, else cpu")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -51,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = p.add_argument_group("training")
     d = TrainConfig(rollouts="", run_dir="")
-    t.add_argument("--run-dir", default="runs/dflash", help="checkpoints, log, final drafter")
+    t.add_argument("--run-dir", default=f"runs/{command}", help="checkpoints, log, final drafter")
     t.add_argument("--init", help="start from this drafter checkpoint folder instead of a fresh drafter")
     t.add_argument("--stop-at", type=int, help="stop at this step (with a checkpoint); a later run resumes")
     t.add_argument("--num-layers", type=int, default=d.num_layers, help="draft layers of a fresh drafter")
@@ -70,11 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint interval in steps")
     t.add_argument("--log-every", type=int, default=d.log_every, help="log interval in steps")
     t.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
+    if command != "exit":
+        p.set_defaults(exit_weight=d.exit_weight, lam=d.lam, budget=d.budget, exclude_horizon_leaves=False)
+        return p
+    x = p.add_argument_group("exit loss: L_tok + λ·L_exit on the drafter's own DDTrees (exitspec.train.exit_loss)")
+    x.add_argument("--weight", dest="exit_weight", choices=WEIGHT_MODES, default="exit",
+                   help="node weights: exit w(v) = P(v)·rho(v); prefix P(v) rescaled to the tree's exit mass; none")
+    x.add_argument("--lam", type=float, default=1.0, help="λ")
+    x.add_argument("--budget", type=int, default=d.budget, help="DDTree budget B of the trees the target scores")
+    x.add_argument("--exclude-horizon-leaves", action="store_true", help="drop the nodes at the block's last depth")
     return p
 
 
-def main_dflash(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main_dflash(argv: list[str] | None = None, command: str = "dflash") -> int:
+    args = build_parser(command).parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = args.dtype
@@ -93,10 +106,15 @@ def main_dflash(argv: list[str] | None = None) -> int:
         train(cfg, stop_at=args.stop_at, progress=not args.no_progress, device=args.device)
         return 0
     except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
-        print(f"exitspec train dflash: error: {e}", file=sys.stderr)
+        print(f"exitspec train {command}: error: {e}", file=sys.stderr)
         return 1
     finally:
         dist.teardown()
+
+
+def main_exit(argv: list[str] | None = None) -> int:
+    """`exitspec train exit`: `train dflash` plus the exit loss."""
+    return main_dflash(argv, command="exit")
 
 
 def run_rollouts(args, dtype: str) -> int:

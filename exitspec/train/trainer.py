@@ -21,7 +21,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from exitspec.models import load_model_and_tokenizer
 from exitspec.train import dist
 from exitspec.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exitspec.train.dflash_loss import BlockLoss, DFlashObjective, sample_anchors, target_features
+from exitspec.train.exit_loss import ExitConfig, ExitLoss, train_loss
 from exitspec.train.rollouts import Rollout, load_rollouts
 
 BETAS = (0.9, 0.95)
@@ -64,6 +65,10 @@ class TrainConfig:
     save_every: int = 200
     log_every: int = 10
     keep: int = 2  # checkpoints kept
+    exit_weight: str = "none"  # exit loss (exit_loss.py): exit | prefix | none (plain DFlash)
+    lam: float = 0.0  # λ in L_tok + λ·L_exit
+    budget: int = 32  # DDTree budget of the exit loss's trees
+    exclude_horizon_leaves: bool = False
 
     def __post_init__(self):
         small = [
@@ -73,6 +78,10 @@ class TrainConfig:
             raise ValueError(f"{', '.join(small)} must be >= 1")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        self.exit_config()  # validates the exit-loss fields
+
+    def exit_config(self) -> ExitConfig:
+        return ExitConfig(self.exit_weight, self.lam, self.budget, exclude_horizon_leaves=self.exclude_horizon_leaves)
 
 
 @dataclass
@@ -140,7 +149,7 @@ class Window:
 
     def __init__(self, block_size: int, device: torch.device):
         self.k = block_size - 1
-        self.sums = torch.zeros(4 + 2 * self.k, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(7 + 2 * self.k, dtype=torch.float64, device=device)  # last 3: exit loss, Σ C_p, trees
         self.steps, self.start = 0, time.perf_counter()
 
     def add(self, out: BlockLoss, tokens: int, grad_norm: Tensor) -> None:
@@ -150,18 +159,25 @@ class Window:
         self.sums[2] += tokens
         self.sums[3] += grad_norm.detach().double()
         self.sums[4 : 4 + self.k] += out.correct.sum(dim=(0, 1))
-        self.sums[4 + self.k :] += (w > 0).sum(dim=(0, 1))
+        self.sums[4 + self.k : 4 + 2 * self.k] += (w > 0).sum(dim=(0, 1))
         self.steps += 1
+
+    def add_exit(self, out: ExitLoss) -> None:
+        self.sums[-3] += out.loss.detach()
+        self.sums[-2] += out.coverage.sum()
+        self.sums[-1] += (out.nodes > 0).sum()
 
     def reduce(self, world: int) -> dict:
         """Collective: the window's metrics over all processes."""
         s = dist.all_reduce_sum(self.sums.clone()).tolist()
         seconds = time.perf_counter() - self.start
         k = self.k
-        acc = [c / max(n, 1) for c, n in zip(s[4 : 4 + k], s[4 + k :], strict=True)]
+        acc = [c / max(n, 1) for c, n in zip(s[4 : 4 + k], s[4 + k : 4 + 2 * k], strict=True)]
+        exit_metrics = {"exit_loss": s[-3] / (self.steps * world), "coverage": s[-2] / s[-1]} if s[-1] else {}
         return {
+            **exit_metrics,
             "loss": s[0] / max(s[1], 1e-12),
-            "acc": sum(s[4 : 4 + k]) / max(sum(s[4 + k :]), 1),
+            "acc": sum(s[4 : 4 + k]) / max(sum(s[4 + k : 4 + 2 * k]), 1),
             "acc_k": [round(a, 5) for a in acc],
             "grad_norm": s[3] / (self.steps * world),
             "tokens": int(s[2]),
@@ -210,6 +226,7 @@ def train(
     window, last = Window(drafter.block_size, d.device), None
     layer_ids = drafter.config.target_layer_ids
     started = step
+    exit_cfg = cfg.exit_config()
     while step < end:
         ids, starts, lengths = data.batch(position, d.rank, cfg.batch_size)
         anchors, keep = sample_anchors(starts, lengths, cfg.anchors, anchor_gen)
@@ -219,13 +236,15 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = model(ids, features, lengths, anchors, keep)
+            out = train_loss(model, target, ids, features, lengths, anchors, keep, exit_cfg)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         optimizer.step()
         step, position = step + 1, position + d.world * cfg.batch_size
-        window.add(out, int(lengths.sum()), grad_norm)
+        window.add(out.block, int(lengths.sum()), grad_norm)
+        if out.exit is not None:
+            window.add_exit(out.exit)
         bar.update(1)
 
         if step % cfg.log_every == 0 or step == end:
@@ -288,7 +307,10 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 
 def _check_resumable(state: dict, cfg: TrainConfig, sequences: int, path: Path) -> None:
     saved = state["config"]
-    changed = sorted(k for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES and saved.get(k) != v)
+    defaults = {f.name: f.default for f in fields(TrainConfig)}  # runs saved before a field existed used its default
+    changed = sorted(
+        k for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != v
+    )
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
         raise ValueError(f"cannot resume {path} with a different configuration ({detail}); use a new --run-dir")
