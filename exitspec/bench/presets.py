@@ -1,0 +1,42 @@
+"""The paper's tables as benchmark presets: temperatures, verifiers, budgets (drafters come from --drafters).
+
+| preset | measures                                                                                  |
+|--------|-------------------------------------------------------------------------------------------|
+| table1 | τ and SR per dataset x temperature {0, 1} x verifier {predraw, tev}, B = 32               |
+| table3 | verifier-stage latency, predraw vs TEV, on realised trees (exitspec.bench.verifier)       |
+| table4 | drafters x verifiers {greedy (T = 0 only), predraw, sequential, tev} crossed, B = 32      |
+| table5 | budget sweep with tev: each drafter's chain (at B = 64), then trees of B = 8, 16, 32, 64  |
+
+Every option given on the command line overrides the preset's value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exitspec.bench.runner import Config
+
+VERIFIER_LATENCY = "table3"  # runs exitspec.bench.verifier instead of the decode benchmark
+
+
+@dataclass(frozen=True)
+class Preset:
+    temperatures: tuple[float, ...] = (0.0,)
+    verifiers: tuple[str, ...] = ("tev",)
+    budgets: tuple[int, ...] = (32,)
+    chain: bool = False  # also each drafter's chain ("chain:D") at the largest budget
+
+
+PRESETS = {
+    "table1": Preset(temperatures=(0.0, 1.0), verifiers=("predraw", "tev")),
+    VERIFIER_LATENCY: Preset(),
+    "table4": Preset(temperatures=(0.0, 1.0), verifiers=("greedy", "predraw", "sequential", "tev")),
+    "table5": Preset(temperatures=(0.0, 1.0), budgets=(8, 16, 32, 64), chain=True),
+}
+CUSTOM = Preset()  # no --preset: greedy, tev, B = 32
+
+
+def configs(drafters: list[str], budgets: list[int], verifiers: list[str], chain: bool) -> list[Config]:
+    """Drafters x budgets x verifiers, preceded by each drafter's chain at the largest budget if `chain`."""
+    chains = [Config(f"chain:{d}", max(budgets), v) for d in drafters for v in verifiers] if chain else []
+    return chains + [Config(d, b, v) for d in drafters for b in budgets for v in verifiers]

@@ -1,0 +1,352 @@
+"""Reports of benchmark results: paper-style Markdown and JSON tables, PNG plots, and A/B comparisons.
+
+    write_report("runs/bench/table1/results.jsonl")        # report.md, report.json and three PNGs beside it
+    write_comparison(a_jsonl, b_jsonl, "runs/bench/compare")   # compare.md, compare.json
+
+A cell is one (dataset, temperature, drafter, budget, verifier). It pools its rows: τ is the mean block
+length over all its rounds, mean C_p the round-weighted mean coverage, and each SR the ratio of total
+seconds per generated token, baseline over speculative (runner.speedup on the summed seconds and tokens).
+The main table has the shape of the paper's Table 1: rows dataset x temperature plus a mean row per
+temperature (the plain mean over datasets), and per config the columns τ, SR (over exitspec's autoregressive
+loop on the same backend) and SR_HF (over transformers' model.generate).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from exitspec.bench.runner import ResultsFile, speedup
+from exitspec.decode import STAGES
+
+CELL = ("dataset", "temperature", "drafter", "budget", "verifier")
+CONFIG = ("drafter", "budget", "verifier")
+PLOTS = ("tau_sr_vs_budget.png", "stages.png", "accepted_lengths.png")
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One aggregate per cell of the spec rows, in the order the cells first appear."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["kind"] == "spec":
+            groups[tuple(row[f] for f in CELL)].append(row)
+    return [{**dict(zip(CELL, key)), **aggregate(group)} for key, group in groups.items()]
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Pooled statistics of spec rows of one cell (see the module docstring)."""
+    rounds = sum(r["rounds"] for r in rows)
+    accepted = Counter(a for r in rows for a in r["accepted_lengths"])
+    seconds = {k: sum(r[f] for r in rows) for k, f in (("spec", "total_seconds"), ("ar", "ar_seconds"), ("hf", "hf_seconds"))}
+    tokens = {k: sum(r[f] for r in rows) for k, f in (("spec", "new_tokens"), ("ar", "ar_tokens"), ("hf", "hf_tokens"))}
+    greedy = rows[0]["temperature"] == 0
+    return {
+        "rows": len(rows),
+        "prompts": len({(r["prompt_id"], r["turn"]) for r in rows}),
+        "new_tokens": tokens["spec"],
+        "rounds": rounds,
+        "tau": (sum(a * n for a, n in accepted.items()) + rounds) / max(rounds, 1),
+        "mean_coverage": sum(r["mean_coverage"] * r["rounds"] for r in rows) / max(rounds, 1),
+        "tokens_per_second": _rate(tokens["spec"], seconds["spec"]),
+        "ar_tokens_per_second": _rate(tokens["ar"], seconds["ar"]),
+        "hf_tokens_per_second": _rate(tokens["hf"], seconds["hf"]),
+        "sr_ar": speedup(seconds["ar"], tokens["ar"], seconds["spec"], tokens["spec"]),
+        "sr_hf": speedup(seconds["hf"], tokens["hf"], seconds["spec"], tokens["spec"]),
+        "seconds": seconds,
+        "stage_seconds": {s: sum(r["stage_seconds"][s] for r in rows) for s in STAGES},
+        "prefill_seconds": sum(r["prefill_seconds"] for r in rows),
+        "accepted_histogram": [accepted.get(a, 0) for a in range(max(accepted, default=0) + 1)],
+        "matches_ar": statistics.mean(r["matches_ar"] for r in rows) if greedy else None,  # exactness at T=0
+    }
+
+
+def config_labels(cells: list[dict]) -> dict[tuple, str]:
+    """A short label per config, naming only the fields that vary between the configs (the verifier at least)."""
+    configs = list(dict.fromkeys(tuple(c[f] for f in CONFIG) for c in cells))
+    varying = [i for i in range(3) if len({c[i] for c in configs}) > 1] or [2]
+    names = ({c[0]: _drafter_name(c[0]) for c in configs}, {c[1]: f"B{c[1]}" for c in configs}, {})
+    return {c: " · ".join(names[i].get(c[i], c[i]) for i in varying) for c in configs}
+
+
+def main_table(cells: list[dict]) -> dict:
+    """The Table-1 shape: {"columns": config labels, "rows": [{dataset, temperature, values: {label: ...}}]}."""
+    labels = config_labels(cells)
+    by_row: dict[tuple, dict] = defaultdict(dict)
+    for c in cells:
+        by_row[(c["temperature"], c["dataset"])][labels[tuple(c[f] for f in CONFIG)]] = {
+            k: c[k] for k in ("tau", "sr_ar", "sr_hf")
+        }
+    rows = []
+    for temperature in sorted({t for t, _ in by_row}):
+        block = [{"dataset": d, "temperature": t, "values": v} for (t, d), v in by_row.items() if t == temperature]
+        mean = {}
+        for label in labels.values():
+            present = [r["values"][label] for r in block if label in r["values"]]
+            mean[label] = {k: _mean([p[k] for p in present]) for k in ("tau", "sr_ar", "sr_hf")}
+        rows += block + [{"dataset": "mean", "temperature": temperature, "values": mean}]
+    return {"columns": list(labels.values()), "rows": rows}
+
+
+def write_report(results: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
+    """report.md, report.json and the PNG plots of a results JSONL, in out_dir (default: beside it)."""
+    results = Path(results)
+    if not results.is_file():
+        raise FileNotFoundError(f"no results file at {results}")
+    data = ResultsFile(results)
+    cells = summarize(data.rows)
+    if not cells:
+        raise ValueError(f"{results} holds no speculative rows yet")
+    out = Path(out_dir or results.parent)
+    out.mkdir(parents=True, exist_ok=True)
+    table = main_table(cells)
+    ar = _baseline_stages(data.rows)
+    paths = {"markdown": out / "report.md", "json": out / "report.json"}
+    paths["markdown"].write_text(_report_markdown(data.envs, table, cells, ar, results))
+    report = {"results": str(results), "env": data.envs, "table": table, "cells": cells, "autoregressive": ar}
+    paths["json"].write_text(json.dumps(report, indent=2))
+    figures = dict(zip(PLOTS, (_plot_budgets(cells), _plot_stages(cells, ar), _plot_accepted(cells))))
+    for name, fig in figures.items():
+        paths[name] = out / name
+        fig.savefig(paths[name], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    return paths
+
+
+def write_comparison(a: str | Path, b: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """compare.md and compare.json: the cells of two results files side by side (B over A as a ratio)."""
+    files = [ResultsFile(p) for p in (a, b)]
+    summaries = [{tuple(c[f] for f in CELL): c for c in summarize(f.rows)} for f in files]
+    common = [k for k in summaries[0] if k in summaries[1]]
+    if not common:
+        raise ValueError(f"{a} and {b} share no (dataset, temperature, drafter, budget, verifier) cell")
+    rows = []
+    for key in common:
+        ca, cb = summaries[0][key], summaries[1][key]
+        row = dict(zip(CELL, key))
+        for k in ("tau", "sr_ar", "sr_hf", "tokens_per_second"):
+            row[k] = {"a": ca[k], "b": cb[k], "b_over_a": cb[k] / ca[k] if ca[k] and cb[k] is not None else None}
+        rows.append(row)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# Benchmark comparison", "", f"A: `{a}`", "", *_env_lines(files[0].envs), "", f"B: `{b}`", "",
+             *_env_lines(files[1].envs), ""]
+    header = ["Dataset", "T", "drafter", "B", "verifier"]
+    for k in ("τ", "SR", "SR_HF", "tok/s"):
+        header += [f"{k} A", f"{k} B", "B/A"]
+    body = []
+    for r in rows:
+        cells = [r["dataset"], f"{r['temperature']:g}", _drafter_name(r["drafter"]), str(r["budget"]), r["verifier"]]
+        for k in ("tau", "sr_ar", "sr_hf", "tokens_per_second"):
+            cells += [_num(r[k]["a"]), _num(r[k]["b"]), _num(r[k]["b_over_a"])]
+        body.append(cells)
+    lines += _markdown_table(header, body)
+    paths = {"markdown": out / "compare.md", "json": out / "compare.json"}
+    paths["markdown"].write_text("\n".join(lines) + "\n")
+    paths["json"].write_text(json.dumps({"a": str(a), "b": str(b), "env_a": files[0].envs, "env_b": files[1].envs,
+                                         "rows": rows}, indent=2))
+    return paths
+
+
+def main_table_markdown(table: dict) -> list[str]:
+    """The Table-1 Markdown lines of main_table's result."""
+    header = ["Dataset", "T"] + [f"{label} {k}" for label in table["columns"] for k in ("τ", "SR", "SR_HF")]
+    body = []
+    for row in table["rows"]:
+        cells = [f"**{row['dataset']}**" if row["dataset"] == "mean" else row["dataset"], f"{row['temperature']:g}"]
+        for label in table["columns"]:
+            v = row["values"].get(label)
+            cells += [_num(v and v["tau"]), _num(v and v["sr_ar"], "×"), _num(v and v["sr_hf"], "×")]
+        body.append(cells)
+    return _markdown_table(header, body)
+
+
+def verifier_markdown(result: dict) -> str:
+    """Markdown of exitspec.bench.verifier's result (the table3 preset): decision and verify-stage latency."""
+    setting = (f"{result['mode']}; device {result['device']}, {result['threads']} threads, V = {result['vocab']}, "
+               f"depth {result['depth']}, {result['pairs_per_budget']} trees x {result['repeats']} repeats, "
+               f"top-p {result['top_p']}")
+    lines = ["# Verifier latency (table 3)", "", setting, ""]
+    header = ["B", "N", "T", "C_p", "predraw ms", "TEV ms", "speedup", "sequential ms", "greedy ms",
+              "stage predraw ms", "stage TEV ms", "stage speedup"]
+    body = []
+    for r in result["rows"]:
+        m, s = r["median_ms"], r["stage_median_ms"]
+        body.append([str(r["budget"]), f"{r['nodes']:.0f}", f"{r['temperature']:g}", f"{r['coverage']:.2f}",
+                     f"{m['predraw']:.3f}", f"{m['tev']:.3f}", f"{r['speedup']:.2f}×", f"{m['sequential']:.3f}",
+                     f"{m['greedy']:.3f}", f"{s['predraw']:.3f}", f"{s['tev']:.3f}", f"{r['stage_speedup']:.2f}×"])
+    return "\n".join(lines + _markdown_table(header, body)) + "\n"
+
+
+def _report_markdown(envs: list[dict], table: dict, cells: list[dict], ar: dict, results: Path) -> str:
+    labels = config_labels(cells)
+    lines = ["# exitspec benchmark", "", f"Results: `{results}`", "", *_env_lines(envs), "", "## τ and SR", ""]
+    lines += main_table_markdown(table)
+    legend = ("τ: mean tokens per round (accepted + bonus). SR: speedup over exitspec's autoregressive loop on the "
+              "same backend; SR_HF: over transformers' `model.generate`. Both: baseline seconds / speculative "
+              "seconds per generated token, summed over the cell's prompts.")
+    lines += ["", legend, "", "## Details", ""]
+    header = ["Dataset", "T", "config", "prompts", "tokens", "τ", "mean C_p", "tok/s", "AR tok/s", "HF tok/s",
+              "SR", "SR_HF", "= AR at T=0"]
+    body = []
+    for c in cells:
+        body.append([c["dataset"], f"{c['temperature']:g}", labels[tuple(c[f] for f in CONFIG)], str(c["prompts"]),
+                     str(c["new_tokens"]), _num(c["tau"]), _num(c["mean_coverage"]), _num(c["tokens_per_second"], "", 1),
+                     _num(c["ar_tokens_per_second"], "", 1), _num(c["hf_tokens_per_second"], "", 1),
+                     _num(c["sr_ar"], "×"), _num(c["sr_hf"], "×"),
+                     "-" if c["matches_ar"] is None else f"{100 * c['matches_ar']:.0f}%"])
+    lines += _markdown_table(header, body)
+    lines += ["", "## Time per generated token (ms)", ""]
+    header = ["config", "T", "prefill", *STAGES, "total"]
+    body = [[label, f"{t:g}", *(f"{v:.2f}" for v in ms)] for label, t, ms in _stage_rows(cells, ar)]
+    lines += _markdown_table(header, body)
+    lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]
+    return "\n".join(lines)
+
+
+def _baseline_stages(rows: list[dict]) -> dict[str, dict]:
+    """Per temperature, the pooled stage seconds, prefill and tokens of the autoregressive baseline rows."""
+    out: dict[str, dict] = {}
+    for row in rows:
+        if row["kind"] != "baseline":
+            continue
+        agg = out.setdefault(f"{row['temperature']:g}", {"tokens": 0, "prefill_seconds": 0.0,
+                                                          "stage_seconds": dict.fromkeys(STAGES, 0.0)})
+        agg["tokens"] += row["ar"]["new_tokens"]
+        agg["prefill_seconds"] += row["ar"]["prefill_seconds"]
+        for s in STAGES:
+            agg["stage_seconds"][s] += row["ar"]["stage_seconds"][s]
+    return out
+
+
+def _stage_rows(cells: list[dict], ar: dict) -> list[tuple[str, float, list[float]]]:
+    """(label, temperature, ms per token: prefill, each stage, total) per config x temperature, then AR."""
+    labels = config_labels(cells)
+    pooled: dict[tuple, dict] = {}
+    for c in cells:
+        key = (labels[tuple(c[f] for f in CONFIG)], c["temperature"])
+        p = pooled.setdefault(key, {"tokens": 0, "prefill_seconds": 0.0, "stage_seconds": dict.fromkeys(STAGES, 0.0)})
+        p["tokens"] += c["new_tokens"]
+        p["prefill_seconds"] += c["prefill_seconds"]
+        for s in STAGES:
+            p["stage_seconds"][s] += c["stage_seconds"][s]
+    pooled.update({("autoregressive", float(t)): a for t, a in ar.items()})
+    rows = []
+    for (label, t), p in pooled.items():
+        ms = [1e3 * p["prefill_seconds"] / max(p["tokens"], 1)]
+        ms += [1e3 * p["stage_seconds"][s] / max(p["tokens"], 1) for s in STAGES]
+        rows.append((label, t, ms + [sum(ms)]))
+    return rows
+
+
+def _plot_budgets(cells: list[dict]):
+    """τ (top) and SR (bottom) against the budget, one column per dataset, one line per drafter/verifier/T."""
+    datasets = list(dict.fromkeys(c["dataset"] for c in cells))
+    budgets = sorted({c["budget"] for c in cells})
+    fig, axes = plt.subplots(2, len(datasets), figsize=(4 * len(datasets), 6), squeeze=False, sharex=True)
+    if budgets[0] > 0:
+        axes[0, 0].set_xscale("log", base=2)
+    axes[0, 0].set_xticks(budgets, [str(b) for b in budgets])
+    axes[0, 0].minorticks_off()
+    for col, dataset in enumerate(datasets):
+        series: dict[str, list] = defaultdict(list)
+        for c in cells:
+            if c["dataset"] == dataset:
+                name = f"{_drafter_name(c['drafter'])} · {c['verifier']} · T={c['temperature']:g}"
+                series[name].append((c["budget"], c["tau"], c["sr_ar"]))
+        for name, points in series.items():
+            points.sort()
+            budgets = [p[0] for p in points]
+            axes[0, col].plot(budgets, [p[1] for p in points], marker="o", label=name)
+            axes[1, col].plot(budgets, [p[2] or 0 for p in points], marker="o", label=name)
+        axes[0, col].set_title(dataset)
+        axes[1, col].set_xlabel("budget B (draft tokens per tree)")
+    axes[0, 0].set_ylabel("τ (tokens per round)")
+    axes[1, 0].set_ylabel("SR over autoregressive")
+    axes[0, -1].legend(fontsize="small")
+    return fig
+
+
+def _plot_stages(cells: list[dict], ar: dict):
+    """Stacked horizontal bars of ms per generated token by stage, per config x temperature and the AR loop."""
+    rows = _stage_rows(cells, ar)
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    names = [f"{label} · T={t:g}" for label, t, _ in rows]
+    left = [0.0] * len(rows)
+    for i, stage in enumerate(("prefill", *STAGES)):
+        widths = [ms[i] for _, _, ms in rows]
+        ax.barh(names, widths, left=left, label=stage)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per generated token")
+    ax.legend(ncol=3, fontsize="small")
+    return fig
+
+
+def _plot_accepted(cells: list[dict]):
+    """Share of rounds by accepted draft tokens, one panel per temperature, one bar group per config."""
+    labels = config_labels(cells)
+    temperatures = sorted({c["temperature"] for c in cells})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    for ax, t in zip(axes[0], temperatures):
+        hists: dict[str, Counter] = defaultdict(Counter)
+        for c in cells:
+            if c["temperature"] == t:
+                hists[labels[tuple(c[f] for f in CONFIG)]].update(dict(enumerate(c["accepted_histogram"])))
+        width = 0.8 / len(hists)
+        for i, (label, hist) in enumerate(hists.items()):
+            total = sum(hist.values()) or 1
+            xs = sorted(hist)
+            offset = (i - (len(hists) - 1) / 2) * width
+            ax.bar([x + offset for x in xs], [hist[x] / total for x in xs], width=width, label=label)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_title(f"T = {t:g}")
+        ax.set_xlabel("accepted draft tokens per round")
+        ax.set_ylabel("share of rounds")
+        ax.legend(fontsize="small")
+    return fig
+
+
+def _env_lines(envs: list[dict]) -> list[str]:
+    if not envs:
+        return ["(no environment recorded)"]
+    e = envs[0]
+    load = f", load average {e['load_average'][0]:.2f}" if e.get("load_average") else ""
+    drafters = {spec: sha for env in envs for spec, sha in env["drafters"].items()}
+    return [
+        f"- model: `{e['model']}` (sha256 {e['model_sha']})",
+        "- drafters: " + ", ".join(f"`{spec}` ({sha})" for spec, sha in drafters.items()),
+        f"- device: {e['device']} ({e['device_name']}), {e['dtype']}, {e['threads']} threads{load}",
+        f"- torch {e['torch']}, transformers {e['transformers']}, python {e['python']}",
+        f"- sessions: {len(envs)}, first {e['created']}",
+    ]
+
+
+def _markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in body]
+
+
+def _drafter_name(spec: str) -> str:
+    """"ngram", a checkpoint folder's name, or "chain:" and one of those."""
+    if spec.startswith("chain:"):
+        return "chain:" + _drafter_name(spec[len("chain:") :])
+    return Path(spec).name
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def _num(value, suffix: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"

