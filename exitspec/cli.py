@@ -1,10 +1,11 @@
-"""Command line: `exitspec generate | check | inspect | train`.
+"""Command line: `exitspec generate | check | inspect | bench | train`.
 
     exitspec generate "Why is the sky blue?"                 # default model, greedy, streamed
     exitspec generate "..." --temperature 1 --compare        # plus speedup over autoregressive decoding
     exitspec generate "..." --json                           # one JSON object for scripts
     exitspec check                                           # verifier-law check on random trees
     exitspec inspect "..." --rounds 8                        # where the target's mass leaves the trees (+ PNG)
+    exitspec bench --preset table1 --num-prompts 20          # τ and SR per dataset, report + plots
 """
 
 from __future__ import annotations
@@ -20,15 +21,20 @@ from exitspec.verify import DECIDERS
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["inspect"]:  # its own parser, so that `exitspec inspect --help` reaches it
+    if argv[:1] == ["inspect"]:  # their own parsers, so that `exitspec inspect --help` reaches them
         from exitspec.inspect import main_inspect
 
         return main_inspect(argv[1:])
+    if argv[:1] == ["bench"]:
+        from exitspec.bench.cli import main_bench
+
+        return main_bench(argv[1:])
     parser = argparse.ArgumentParser(prog="exitspec", description="Exact tree speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="generate text with exact tree speculative decoding"))
     _add_check(commands.add_parser("check", help="check every verifier's output law on random trees"))
     commands.add_parser("inspect", help="where the target's mass leaves the draft trees (`exitspec inspect --help`)")
+    commands.add_parser("bench", help="τ and speedup on datasets, paper-style tables (`exitspec bench --help`)")
     train = commands.add_parser("train", help="train a drafter (see `exitspec train dflash --help`)")
     train.add_argument("what", choices=["dflash", "exit"])
     train.add_argument("rest", nargs=argparse.REMAINDER)

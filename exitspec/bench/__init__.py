@@ -1,1 +1,2 @@
-"""Benchmarks, each runnable as `python -m exitspec.bench.<name>` (see its module docstring)."""
+"""Benchmarks: `python -m exitspec.bench` (= `exitspec bench`) runs the suite; `python -m exitspec.bench.verifier`
+times the verifier decision alone."""
