@@ -28,7 +28,7 @@ from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams, sample_rows, target_probs
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
-from exitspec.verify import DECIDERS, check_verifier
+from exitspec.verify import DECIDERS, Verdict, check_verifier
 
 STAGES = ("draft", "build", "target", "verify", "commit")
 Prompt = str | Sequence[dict] | Sequence[int] | Tensor
@@ -62,6 +62,16 @@ class RoundStats:
     coverage: float  # C_p(T), the expected accepted length of a saturated verifier on this tree
 
 
+@dataclass(frozen=True)
+class RoundTrace:
+    """One round as the verifier saw it, handed to `generate(on_round=...)` for diagnostics."""
+
+    tree: DraftTree
+    probs: Tensor  # [N+1, V] the warped target distribution at every node
+    verdict: Verdict
+    emitted: int  # tokens of the block that reached the output (a stop token or the limit may cut it)
+
+
 @dataclass
 class GenerationResult:
     prompt_ids: list[int]
@@ -71,7 +81,7 @@ class GenerationResult:
     stage_seconds: dict[str, float]
     prefill_seconds: float
     total_seconds: float  # prefill included
-    stopped_by: str  # "stop_token", "max_new_tokens" or "context"
+    stopped_by: str  # "stop_token", "max_new_tokens", "max_rounds" or "context"
 
     @property
     def tau(self) -> float:
@@ -215,8 +225,11 @@ class SpeculativeDecoder:
         stop_tokens: Iterable[int] | None = None,
         stream: Callable[[str], None] | None = None,
         chat: bool = True,
+        max_rounds: int | None = None,
+        on_round: Callable[[RoundTrace], None] | None = None,
     ) -> GenerationResult:
-        """Generates up to max_new_tokens; the output has exactly the (warped) target distribution."""
+        """Generates up to max_new_tokens (and at most max_rounds rounds); the output has exactly the (warped)
+        target distribution. `on_round` sees every round's tree, target distribution and verdict."""
         params = SamplingParams(temperature, top_k, top_p)
         check_verifier(verifier, params)
         if budget < 0:
@@ -263,6 +276,11 @@ class SpeculativeDecoder:
             emitted = run.emit(block)
             context.extend(block)
             rounds.append(RoundStats(tree.num_nodes, len(verdict.path), emitted, float(tree_flow(tree, probs).coverage)))
+            if on_round is not None:
+                on_round(RoundTrace(tree, probs, verdict, emitted))
+            if max_rounds is not None and len(rounds) >= max_rounds and not run.done:
+                run.stopped_by = "max_rounds"
+                break
         return _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
 
 

@@ -1,7 +1,7 @@
 """`exitspec inspect "prompt"`: where does the target's probability mass leave the drafter's trees?
 
-A few rounds of ordinary exact tree speculative decoding (`SpeculativeDecoder.generate`, unchanged) run on a
-`RoundRecorder` target, which keeps each round's tree, target logits and accepted path. For every round the
+A few rounds of ordinary exact tree speculative decoding (`SpeculativeDecoder.generate` with `max_rounds`)
+hand each round's tree, warped target distribution and verdict to an `on_round` hook. For every round the
 exit law of flow.py (paper Eqs. 1–5) is evaluated on the warped target distribution p_v:
 
     P(root) = 1,  P(u) = P(parent) · p_parent(x_u),  rho(v) = 1 − Σ_children p_v(x_c),  w(v) = P(v) · rho(v)
@@ -29,43 +29,14 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
-from exitspec.decode import SpeculativeDecoder
+from exitspec.decode import RoundTrace, SpeculativeDecoder
 from exitspec.drafters import load_drafter
 from exitspec.flow import TreeFlow, tree_flow
 from exitspec.models import load_model_and_tokenizer
-from exitspec.sampling import SamplingParams, target_probs
-from exitspec.target import TargetModel, TreeForward
+from exitspec.sampling import SamplingParams
+from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS
-
-
-class RoundRecorder(TargetModel):
-    """A TargetModel that records every verified tree, its logits [N+1, V] and the accepted path, and has no
-    room left after `max_rounds` rounds, so that `generate` ends there (its stopped_by then reads "context")."""
-
-    def __init__(self, model, tokenizer, feature_layers: tuple[int, ...], max_rounds: int):
-        self.max_rounds = max_rounds
-        super().__init__(model, tokenizer, feature_layers)
-
-    def reset(self) -> None:
-        super().reset()
-        self.trees: list[DraftTree] = []
-        self.logits: list[Tensor] = []
-        self.paths: list[list[int]] = []
-
-    @property
-    def max_context(self) -> int:
-        return self.cache_len + 1 if len(self.paths) >= self.max_rounds else super().max_context
-
-    def forward_tree(self, tree: DraftTree) -> TreeForward:
-        out = super().forward_tree(tree)
-        self.trees.append(tree)
-        self.logits.append(out.logits)
-        return out
-
-    def commit(self, tree: DraftTree, path: list[int]) -> None:
-        super().commit(tree, path)
-        self.paths.append([int(u) for u in path])
 
 
 @dataclass(frozen=True)
@@ -85,20 +56,18 @@ class RoundExit:
 def inspect_rounds(
     decoder: SpeculativeDecoder,
     prompt,
+    rounds: int,
     budget: int,
     params: SamplingParams,
     verifier: str = "tev",
     seed: int = 0,
     chat: bool = True,
 ) -> tuple[list[int], list[RoundExit], list[int]]:
-    """Decodes up to the recorder's max_rounds rounds → (prompt ids, per-round exit laws, generated tokens)."""
-    target = decoder.target
-    if not isinstance(target, RoundRecorder):
-        raise TypeError("inspect_rounds needs a decoder whose target is a RoundRecorder")
-    target.reset()
+    """Decodes `rounds` rounds → (prompt ids, per-round exit laws, generated tokens)."""
+    traces: list[RoundTrace] = []
     result = decoder.generate(
         prompt,
-        max_new_tokens=target.max_rounds * (budget + 1) + 1,
+        max_new_tokens=rounds * (budget + 1),  # never binds before max_rounds: a round emits <= budget + 1 tokens
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
@@ -106,16 +75,15 @@ def inspect_rounds(
         verifier=verifier,
         seed=seed,
         chat=chat,
-    )  # the token limit never binds: every round emits at most budget + 1 tokens
-    rounds, start = [], 0
-    for tree, logits, path, stats in zip(target.trees, target.logits, target.paths, result.rounds):
-        block = result.tokens[start : start + stats.emitted]
-        start += stats.emitted
-        tree = tree.to("cpu")
-        flow = tree_flow(tree, target_probs(logits, params).double().cpu())
-        bonus = block[len(path)] if len(block) > len(path) else None
-        rounds.append(RoundExit(tree, flow, path, bonus))
-    return result.prompt_ids, rounds, result.tokens
+        max_rounds=rounds,
+        on_round=traces.append,
+    )
+    exits = []
+    for t in traces:
+        tree = t.tree.to("cpu")
+        bonus = t.verdict.bonus if t.emitted > len(t.verdict.path) else None
+        exits.append(RoundExit(tree, tree_flow(tree, t.probs.double().cpu()), t.verdict.path, bonus))
+    return result.prompt_ids, exits, result.tokens
 
 
 def describe(rounds: list[RoundExit], tokenizer, top: int = 5) -> list[dict]:
@@ -286,9 +254,9 @@ def main_inspect(argv: list[str] | None = None) -> int:
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         hf_model, tokenizer = load_model_and_tokenizer(args.model, args.device, getattr(torch, args.dtype))
         drafter = load_drafter(args.drafter, hf_model)
-        decoder = SpeculativeDecoder(RoundRecorder(hf_model, tokenizer, drafter.feature_layers, args.rounds), drafter)
+        decoder = SpeculativeDecoder(TargetModel(hf_model, tokenizer, drafter.feature_layers), drafter)
         prompt_ids, rounds, tokens = inspect_rounds(
-            decoder, prompt, args.budget, params, args.verifier, args.seed, chat=not args.no_chat
+            decoder, prompt, args.rounds, args.budget, params, args.verifier, args.seed, chat=not args.no_chat
         )
         if not rounds:
             raise ValueError("decoding stopped before the first round")

@@ -175,3 +175,12 @@ def test_an_invalid_tree_is_refused(model):
 
     with pytest.raises(ValueError, match="same token 3"):
         SpeculativeDecoder(TargetModel(model), Broken(VOCAB)).generate(PROMPT, 10, budget=4)
+
+
+def test_max_rounds_and_the_round_hook(model):
+    traces = []
+    decoder = SpeculativeDecoder(TargetModel(model), RandomTreeDrafter(VOCAB))
+    out = decoder.generate(PROMPT, 100, temperature=1.0, budget=5, max_rounds=4, on_round=traces.append, stop_tokens=())
+    assert len(out.rounds) == 4 == len(traces) and out.stopped_by == "max_rounds"
+    emitted = [tok for t in traces for tok in t.verdict.output_tokens(t.tree)]
+    assert emitted == out.tokens and all(t.probs.shape == (t.tree.size, VOCAB) for t in traces)
