@@ -20,11 +20,14 @@ from exitspec.verify import Verdict
 
 
 def random_tree(gen: torch.Generator, vocab: int, max_depth: int = 5, max_branch: int = 4, max_nodes: int = 40):
-    """A random tree grown breadth-first: each node gets 0..max_branch children with distinct tokens."""
+    """A random tree: a random frontier node at a time gets 0..max_branch children with distinct tokens.
+
+    Growing a random frontier node (rather than breadth-first) gives deep, lopsided trees as well as bushy ones.
+    """
     parents, tokens, depths = [-1], [int(torch.randint(vocab, (1,), generator=gen))], [0]
     frontier = [0]
     while frontier and len(parents) < max_nodes + 1:
-        node = frontier.pop(0)
+        node = frontier.pop(int(torch.randint(len(frontier), (1,), generator=gen)))
         if depths[node] >= max_depth:
             continue
         n_kids = int(torch.randint(0, min(max_branch, vocab) + 1, (1,), generator=gen))

@@ -21,14 +21,15 @@ LAW_PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, t
 @pytest.mark.parametrize("name", ["predraw", "sequential", "tev"])
 @pytest.mark.parametrize("params", LAW_PARAMS, ids=["t1", "top_p0.9"])
 def test_verifier_matches_exit_law(name, params):
-    tree, probs = law_case(11, params)
+    tree, probs = law_case(12, params)
+    assert tree.depth == 5 and max(len(kids) for kids in tree.children) == 4
     result = check_law(name, DECIDERS[name], tree, probs, params, DRAWS, seed=3)
     assert result.p_value > 1e-3, result
     assert abs(result.mean_length - result.expected_length) < 3 * result.std_err, result
 
 
 def test_sequential_law_does_not_depend_on_child_order():
-    tree, probs = law_case(11, LAW_PARAMS[0])
+    tree, probs = law_case(12, LAW_PARAMS[0])
     reverse = lambda tree, probs, gen: decide_sequential(tree, probs, gen, child_order=lambda kids: kids[::-1])
     assert check_law("sequential-reversed", reverse, tree, probs, LAW_PARAMS[0], DRAWS, seed=5).passed
 
@@ -40,7 +41,7 @@ def test_wrong_verifier_is_caught():
         verdict = decide_predraw(tree, probs, gen)
         return Verdict(verdict.path, int(torch.multinomial(probs[verdict.exit_node], 1, generator=gen)))
 
-    tree, probs = law_case(11, LAW_PARAMS[0])
+    tree, probs = law_case(12, LAW_PARAMS[0])
     counts, _ = sample_verdicts(bonus_from_full_distribution, tree, probs, seed=1, draws=DRAWS)
     assert g_test_pvalue(counts, exact_joint_law(tree, probs)) < 1e-3
 
