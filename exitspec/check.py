@@ -100,7 +100,13 @@ class LawCheck:
 
 
 def check_law(
-    name: str, decide: Callable[..., Verdict], tree: DraftTree, probs: Tensor, params: SamplingParams, draws: int, seed: int
+    name: str,
+    decide: Callable[..., Verdict],
+    tree: DraftTree,
+    probs: Tensor,
+    params: SamplingParams,
+    draws: int,
+    seed: int,
 ) -> LawCheck:
     counts, lengths = sample_verdicts(decide, tree, probs, seed, draws)
     coverage = float(tree_flow(tree, probs.double()).coverage)

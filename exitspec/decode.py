@@ -275,7 +275,8 @@ class SpeculativeDecoder:
             block = verdict.output_tokens(tree)
             emitted = run.emit(block)
             context.extend(block)
-            rounds.append(RoundStats(tree.num_nodes, len(verdict.path), emitted, float(tree_flow(tree, probs).coverage)))
+            coverage = float(tree_flow(tree, probs).coverage)
+            rounds.append(RoundStats(tree.num_nodes, len(verdict.path), emitted, coverage))
             if on_round is not None:
                 on_round(RoundTrace(tree, probs, verdict, emitted))
             if max_rounds is not None and len(rounds) >= max_rounds and not run.done:

@@ -67,7 +67,7 @@ def first_tokens_counts(model):
             decoder = SpeculativeDecoder(TargetModel(model), RandomTreeDrafter(VOCAB, seed=1))
             cache[verifier] = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
             for seed in range(DRAWS):
-                out = decoder.generate(PROMPT, 3, temperature=1.0, budget=6, verifier=verifier, seed=seed, stop_tokens=())
+                out = decoder.generate(PROMPT, 3, 1.0, budget=6, verifier=verifier, seed=seed, stop_tokens=())
                 cache[verifier][tuple(out.tokens)] += 1
         return cache[verifier]
 

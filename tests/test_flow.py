@@ -12,7 +12,7 @@ from exitspec.check import random_logits, random_tree
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
 
 
-def _case(seed: int, vocab: int = 7, params=SamplingParams()):
+def _case(seed: int, vocab: int = 7, params: SamplingParams = SamplingParams()):  # noqa: B008 (frozen)
     gen = torch.Generator().manual_seed(seed)
     tree = random_tree(gen, vocab)
     probs = target_probs(random_logits(gen, tree.size, vocab), params).double()

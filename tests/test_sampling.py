@@ -15,7 +15,12 @@ from exitspec.sampling import SamplingParams, _nucleus, sample_rows, target_prob
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(1.0), SamplingParams(0.6), SamplingParams(1.0, top_p=0.9), SamplingParams(0.7, top_k=20, top_p=0.8)],
+    [
+        SamplingParams(1.0),
+        SamplingParams(0.6),
+        SamplingParams(1.0, top_p=0.9),
+        SamplingParams(0.7, top_k=20, top_p=0.8),
+    ],
 )
 def test_matches_transformers_warpers(params):
     logits = 3 * torch.randn(8, 500, generator=torch.Generator().manual_seed(0))
@@ -46,7 +51,8 @@ def test_sample_rows_follows_the_distribution_and_never_draws_zeros():
     counts = torch.bincount(draws, minlength=6).double()
     assert counts[probs == 0].sum() == 0
     support = probs > 0
-    assert power_divergence(counts[support].numpy(), (probs[support].double() * 50_000).numpy(), lambda_="log-likelihood").pvalue > 1e-3
+    expected = (probs[support].double() * 50_000).numpy()
+    assert power_divergence(counts[support].numpy(), expected, lambda_="log-likelihood").pvalue > 1e-3
 
 
 def test_non_finite_logits_are_rejected():

@@ -8,7 +8,15 @@ is compared with 1 + C_p. A deliberately wrong verifier must fail the same check
 import pytest
 import torch
 
-from exitspec.check import check_law, exact_joint_law, g_test_pvalue, law_case, random_logits, random_tree, sample_verdicts
+from exitspec.check import (
+    check_law,
+    exact_joint_law,
+    g_test_pvalue,
+    law_case,
+    random_logits,
+    random_tree,
+    sample_verdicts,
+)
 from exitspec.sampling import SamplingParams
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS, Verdict, _follow, check_verifier, decide_predraw, decide_sequential, verify
@@ -30,7 +38,10 @@ def test_verifier_matches_exit_law(name, params):
 
 def test_sequential_law_does_not_depend_on_child_order():
     tree, probs = law_case(12, LAW_PARAMS[0])
-    reverse = lambda tree, probs, gen: decide_sequential(tree, probs, gen, child_order=lambda kids: kids[::-1])
+
+    def reverse(tree, probs, gen):
+        return decide_sequential(tree, probs, gen, child_order=lambda kids: kids[::-1])
+
     assert check_law("sequential-reversed", reverse, tree, probs, LAW_PARAMS[0], DRAWS, seed=5).passed
 
 
