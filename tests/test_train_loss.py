@@ -71,6 +71,25 @@ def test_target_features_of_a_padded_batch_equal_single_sequences(target, batch)
         torch.testing.assert_close(features[b, :n], alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layer_ids", [[0], [2, 0], [3], [1, 3]])
+def test_target_features_stop_early_and_equal_hidden_states(layer_ids):
+    """Taps of layers before the last come from a forward cut after the deepest one; the last layer's tap is
+    HF's final-normed hidden_states[L]. Either way the features are hidden_states[i+1] of a full forward."""
+    model = tiny_llama(num_hidden_layers=4)
+    ids = torch.randint(2, 32, (2, 10), generator=torch.Generator().manual_seed(5))
+    lengths = torch.tensor([10, 7])
+    mask = (torch.arange(10) < lengths[:, None]).long()
+    full = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    expected = torch.cat([full[i + 1] for i in layer_ids], dim=-1)
+    ran = []
+    handle = model.model.layers[3].register_forward_hook(lambda *_: ran.append(True))
+    features = target_features(model, ids, lengths, layer_ids)
+    handle.remove()
+    for b, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(features[b, :n], expected[b, :n], atol=1e-5, rtol=1e-5)
+    assert bool(ran) == (3 in layer_ids)  # the last layer runs only when it is tapped
+
+
 def manual_block(objective, ids, features, b, a):
     """Logits [bs−1, V] of one block anchored at a, run alone on the context rows before it."""
     drafter = objective.drafter

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from exitspec.train import dist
 from exitspec.train.cli import main_dflash
-from exitspec.train.trainer import TrainConfig, make_drafter, train
+from exitspec.train.rollouts import Rollout
+from exitspec.train.trainer import RolloutData, TrainConfig, make_drafter, train
 from tiny_models import save_tiny_llama
 
 
@@ -101,6 +102,39 @@ def test_resume_refuses_another_configuration(setup):
     train(config(setup, "strict", steps=2), progress=False)
     with pytest.raises(ValueError, match="anchors"):
         train(config(setup, "strict", steps=4, anchors=5), progress=False)
+
+
+def test_resume_accepts_the_same_target_layers(setup):
+    """target_layers is a tuple in the config and a list in the saved JSON: the same value all the same."""
+    train(config(setup, "layers", steps=2, target_layers=(1, 0)), progress=False)
+    result = train(config(setup, "layers", steps=3, target_layers=(1, 0)), progress=False)
+    assert result.summary["steps_this_run"] == 1
+    assert list(result.drafter.config.target_layer_ids) == [1, 0]
+    with pytest.raises(ValueError, match="target_layers"):
+        train(config(setup, "layers", steps=4, target_layers=(0,)), progress=False)
+
+
+def test_data_stream_is_a_length_bucketed_permutation_per_epoch():
+    """Every epoch deals each sequence once; inside a bucket a step's sequences are neighbours in length, so
+    they pad far less than random batches; the order is seeded."""
+    g = torch.Generator().manual_seed(1)
+    rollouts = [
+        Rollout(f"r{i}", [1, 2], list(range(3, 3 + int(n))))
+        for i, n in enumerate(torch.randint(2, 300, (96,), generator=g))
+    ]
+    data = RolloutData(rollouts, max_len=512, seed=4, step_size=4, bucket_steps=6)
+    lengths = data.lengths
+    padded = {"bucketed": 0, "random": 0}
+    for epoch in range(2):
+        order = data.epoch_order(epoch)
+        assert sorted(order.tolist()) == list(range(96))
+        assert data.indices(epoch * 96, 96) == order.tolist()
+        for batch, shuffled in zip(order.split(4), torch.randperm(96, generator=g).split(4), strict=True):
+            padded["bucketed"] += int(lengths[batch].max() * 4 - lengths[batch].sum())
+            padded["random"] += int(lengths[shuffled].max() * 4 - lengths[shuffled].sum())
+    assert padded["bucketed"] < padded["random"] / 3
+    assert not torch.equal(data.epoch_order(0), data.epoch_order(1))
+    assert torch.equal(data.epoch_order(0), RolloutData(rollouts, 512, 4, 4, 6).epoch_order(0))
 
 
 def test_init_starts_from_a_drafter_checkpoint(setup):

@@ -333,7 +333,7 @@ def _markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
 
 
 def _drafter_name(spec: str) -> str:
-    """"ngram", a checkpoint folder's name, or "chain:" and one of those."""
+    """"dflash", "ngram", a checkpoint folder's name, or "chain:" and one of those."""
     if spec.startswith("chain:"):
         return "chain:" + _drafter_name(spec[len("chain:") :])
     return Path(spec).name

@@ -38,7 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from exitspec.bench.datasets import Sample
 from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens, encode_prompt, generate_autoregressive
-from exitspec.drafters import Drafter, load_drafter
+from exitspec.drafters import Drafter, drafter_folder, load_drafter
 from exitspec.models import default_model_dir, load_model_and_tokenizer
 from exitspec.sampling import SamplingParams
 from exitspec.target import TargetModel
@@ -54,7 +54,7 @@ WARMUP_TOKENS = 8
 class Config:
     """One speculative setting; with a dataset and a temperature it is one column of the report."""
 
-    drafter: str  # "ngram", a DFlash folder, or "chain:<drafter>" (see ChainDrafter)
+    drafter: str  # "dflash", "ngram", a DFlash folder, or "chain:<drafter>" (see ChainDrafter)
     budget: int
     verifier: str
 
@@ -426,7 +426,8 @@ def drafter_sha(spec: str) -> str:
     """The drafter's name for training-free ones, else the hash of its checkpoint folder."""
     if spec.startswith("chain:"):
         return drafter_sha(spec[len("chain:") :])
-    return spec if spec == "ngram" else folder_sha(Path(spec))
+    folder = drafter_folder(spec)
+    return spec if folder is None else folder_sha(folder)
 
 
 def folder_sha(folder: Path) -> str:

@@ -8,14 +8,30 @@ from exitspec.drafters.base import Drafter
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.ngram import NgramDrafter
 
-__all__ = ["Drafter", "DFlashDrafter", "NgramDrafter", "load_drafter"]
+__all__ = ["Drafter", "DFlashDrafter", "NgramDrafter", "SHIPPED_DFLASH", "default_drafter", "drafter_folder", "load_drafter"]
+
+# the DFlash drafter trained for the default model (SmolLM2-135M-Instruct); see its TRAINING.md
+SHIPPED_DFLASH = Path(__file__).resolve().parent.parent / "assets" / "dflash-smollm2-135m-instruct"
+
+
+def default_drafter(model: str | Path | None) -> str:
+    """The drafter used when none is named: the shipped DFlash drafter for the default model (model None),
+    the training-free n-gram drafter for any other model."""
+    return "dflash" if model is None else "ngram"
+
+
+def drafter_folder(spec: str | Path) -> Path | None:
+    """The checkpoint folder a drafter spec names: None for 'ngram', the shipped one for 'dflash'."""
+    if str(spec) == "ngram":
+        return None
+    folder = SHIPPED_DFLASH if str(spec) == "dflash" else Path(spec)
+    if not folder.is_dir():
+        raise ValueError(f"unknown drafter {str(spec)!r}: use 'dflash', 'ngram' or a DFlash checkpoint folder")
+    return folder
 
 
 def load_drafter(spec: str | Path, target_hf_model) -> Drafter:
-    """'ngram' (prompt lookup, training-free) or a DFlash checkpoint folder for this target model."""
-    if str(spec) == "ngram":
-        return NgramDrafter()
-    folder = Path(spec)
-    if not folder.is_dir():
-        raise ValueError(f"unknown drafter {str(spec)!r}: use 'ngram' or a DFlash checkpoint folder")
-    return DFlashDrafter.from_pretrained(folder, target_hf_model)
+    """'dflash' (the DFlash drafter shipped for the default model), 'ngram' (prompt lookup, training-free) or
+    a DFlash checkpoint folder for this target model."""
+    folder = drafter_folder(spec)
+    return NgramDrafter() if folder is None else DFlashDrafter.from_pretrained(folder, target_hf_model)

@@ -314,8 +314,16 @@ class DFlashModel(nn.Module):
         return self.config.block_size
 
     @classmethod
-    def for_target(cls, target_config, num_layers: int = 1, block_size: int = 16, std: float = 0.02) -> DFlashModel:
-        """A freshly initialised drafter sized for an HF target config, with the reference's default layers."""
+    def for_target(
+        cls,
+        target_config,
+        num_layers: int = 1,
+        block_size: int = 16,
+        std: float = 0.02,
+        target_layer_ids: tuple[int, ...] | None = None,
+    ) -> DFlashModel:
+        """A freshly initialised drafter sized for an HF target config, reading `target_layer_ids` (default:
+        the reference's choice, `build_target_layer_ids`)."""
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = tc.num_attention_heads
         config = DFlashConfig(
@@ -326,7 +334,7 @@ class DFlashModel(nn.Module):
             num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
             head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
             vocab_size=tc.vocab_size,
-            target_layer_ids=tuple(build_target_layer_ids(tc.num_hidden_layers, num_layers)),
+            target_layer_ids=tuple(target_layer_ids or build_target_layer_ids(tc.num_hidden_layers, num_layers)),
             num_target_layers=tc.num_hidden_layers,
             block_size=block_size,
             rms_norm_eps=tc.rms_norm_eps,

@@ -70,12 +70,17 @@ def save_checkpoint(
     return final
 
 
+def read_state(path: str | Path) -> dict:
+    """A checkpoint's state.json: step, data position, run config, optimizer groups, world size."""
+    return json.loads((Path(path) / STATE_NAME).read_text())
+
+
 def load_checkpoint(
     path: str | Path, drafter: DFlashModel, optimizer: torch.optim.Optimizer, generator: torch.Generator, d: Dist
 ) -> dict:
     """Restores weights, optimizer state and this process's RNG states in place; returns state.json."""
     path = Path(path)
-    state = json.loads((path / STATE_NAME).read_text())
+    state = read_state(path)
     if state["world_size"] != d.world:
         raise ValueError(
             f"{path} was written by {state['world_size']} processes; resume it with as many (this run has {d.world}) "

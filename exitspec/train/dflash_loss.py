@@ -50,13 +50,42 @@ def sample_anchors(starts: Tensor, lengths: Tensor, n: int, generator: torch.Gen
     return anchors.masked_fill(~keep, 0), keep
 
 
+class _StopForward(Exception):
+    """Raised by a forward hook once the deepest feature layer has run: later layers are not needed."""
+
+
 @torch.no_grad()
 def target_features(model: PreTrainedModel, ids: Tensor, lengths: Tensor, layer_ids) -> Tensor:
     """ids [B, L] right-padded to lengths [B] -> features [B, L, F]: outputs of the target decoder layers
-    `layer_ids` (HF hidden_states[i+1]), concatenated. Rows past a sequence's end are padding garbage."""
+    `layer_ids` (HF hidden_states[i+1]), concatenated. Rows past a sequence's end are padding garbage.
+
+    The forward stops after the deepest layer in `layer_ids` (hooks on the decoder layers), so a drafter that
+    reads the middle layer pays for half the target. A tap of the last layer runs the whole model instead,
+    since HF's hidden_states[L] is the final-normed state, not the last layer's raw output."""
     mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False, logits_to_keep=1)
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    layers = model.get_decoder().layers
+    if max(layer_ids) >= len(layers) - 1:
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    taps: dict[int, Tensor] = {}
+
+    def tap(i: int):
+        def hook(_module, _args, output):
+            taps[i] = output[0] if isinstance(output, tuple) else output  # [B, L, D]
+            if i == max(layer_ids):
+                raise _StopForward
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(tap(i)) for i in set(layer_ids)]
+    try:
+        model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat([taps[i] for i in layer_ids], dim=-1)
 
 
 class BlockLoss(NamedTuple):

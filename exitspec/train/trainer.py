@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.models import load_model_and_tokenizer
 from exitspec.train import dist
-from exitspec.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from exitspec.train.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from exitspec.train.dflash_loss import BlockLoss, DFlashObjective, sample_anchors, target_features
 from exitspec.train.exit_loss import ExitConfig, ExitLoss, train_loss
 from exitspec.train.rollouts import Rollout, load_rollouts
@@ -50,6 +50,7 @@ class TrainConfig:
     init: str | None = None  # start from this drafter checkpoint instead of a fresh one
     num_layers: int = 1  # fresh drafter only
     block_size: int = 16  # fresh drafter only
+    target_layers: tuple[int, ...] | None = None  # fresh drafter only; None: the reference's default layers
     steps: int = 1000
     batch_size: int = 8  # sequences per process and step
     anchors: int = 32  # blocks per sequence
@@ -91,14 +92,17 @@ class TrainResult:
 
 
 class RolloutData:
-    """Training sequences (prompt + response, cut to max_len) dealt out in a seeded order.
+    """Training sequences (prompt + response, cut to max_len) dealt out in a seeded, length-bucketed order.
 
-    The data is one endless stream: position g is sequence perm_e[g mod N] of epoch e = g // N, where perm_e is a
-    permutation seeded by (seed, e). A step consumes world × batch_size positions, process r taking the r-th
-    slice, so the data position of a run is a single integer.
+    The data is one endless stream: position g is sequence order_e[g mod N] of epoch e = g // N. order_e is a
+    permutation seeded by (seed, e), cut into buckets of `bucket_steps` global batches (`step_size` positions
+    each); a bucket is sorted by length, split back into batches and those are shuffled. So one step's
+    sequences have similar lengths (little padding), while the batches still come in random order. A step
+    consumes `step_size` = world × batch_size positions, process r taking the r-th slice, so the data
+    position of a run is a single integer.
     """
 
-    def __init__(self, rollouts: list[Rollout], max_len: int, seed: int):
+    def __init__(self, rollouts: list[Rollout], max_len: int, seed: int, step_size: int = 1, bucket_steps: int = 16):
         self.seqs = [
             ((r.prompt_ids + r.response_ids)[:max_len], len(r.prompt_ids))
             for r in rollouts
@@ -107,21 +111,31 @@ class RolloutData:
         self.dropped = len(rollouts) - len(self.seqs)
         if not self.seqs:
             raise ValueError("no rollout has a response of two tokens or more within max_len")
-        self.seed = seed
-        self._perm: tuple[int, Tensor] | None = None
+        self.seed, self.step_size, self.bucket_steps = seed, step_size, bucket_steps
+        self.lengths = torch.tensor([len(ids) for ids, _ in self.seqs])  # [N]
+        self._order: tuple[int, Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def epoch_order(self, epoch: int) -> Tensor:
+        """[N] sequence indices of epoch `epoch` in stream order."""
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        perm = torch.randperm(len(self), generator=gen)
+        batches = []
+        for bucket in perm.split(self.step_size * self.bucket_steps):
+            by_length = bucket[self.lengths[bucket].argsort(stable=True)]
+            batches += by_length.split(self.step_size)
+        return torch.cat([batches[i] for i in torch.randperm(len(batches), generator=gen)])
 
     def indices(self, position: int, count: int) -> list[int]:
         """Sequence indices at stream positions position .. position+count−1."""
         out = []
         for g in range(position, position + count):
             epoch = g // len(self)
-            if self._perm is None or self._perm[0] != epoch:
-                gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-                self._perm = (epoch, torch.randperm(len(self), generator=gen))
-            out.append(int(self._perm[1][g % len(self)]))
+            if self._order is None or self._order[0] != epoch:
+                self._order = (epoch, self.epoch_order(epoch))
+            out.append(int(self._order[1][g % len(self)]))
         return out
 
     def batch(self, position: int, rank: int, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -200,14 +214,14 @@ def train(
     drafter = make_drafter(cfg, target).to(d.device).train()
     objective = DFlashObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(), cfg.gamma)
     optimizer = make_optimizer(drafter, cfg)
-    data = RolloutData(load_rollouts(cfg.rollouts), cfg.max_len, cfg.seed)
+    data = RolloutData(load_rollouts(cfg.rollouts), cfg.max_len, cfg.seed, step_size=d.world * cfg.batch_size)
     anchor_gen = torch.Generator().manual_seed(cfg.seed * 65_536 + d.rank + 1)
 
     step, position = 0, 0
     resumed = latest_checkpoint(ckpt_dir)
     if resumed is not None:
+        _check_resumable(read_state(resumed), cfg, len(data), resumed)  # before weights of another shape fail
         state = load_checkpoint(resumed, drafter, optimizer, anchor_gen, d)
-        _check_resumable(state, cfg, len(data), resumed)
         step, position = state["step"], state["data"]["position"]
     if d.world > 1:  # the objective holds no buffers: DDP only averages the drafter's gradients
         model = DistributedDataParallel(objective, device_ids=[d.device] if d.device.type == "cuda" else None)
@@ -276,7 +290,9 @@ def make_drafter(cfg: TrainConfig, target) -> DFlashModel:
     if cfg.init:
         drafter = DFlashModel.from_pretrained(cfg.init, dtype=torch.float32)
     else:
-        drafter = DFlashModel.for_target(tc, num_layers=cfg.num_layers, block_size=cfg.block_size)
+        drafter = DFlashModel.for_target(
+            tc, num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=cfg.target_layers
+        )
     vocab = target.get_output_embeddings().weight.shape[0]
     drafter.config.check_target(tc.hidden_size, vocab, tc.num_hidden_layers)
     return drafter
@@ -308,8 +324,9 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 def _check_resumable(state: dict, cfg: TrainConfig, sequences: int, path: Path) -> None:
     saved = state["config"]
     defaults = {f.name: f.default for f in fields(TrainConfig)}  # runs saved before a field existed used its default
+    current = json.loads(json.dumps(asdict(cfg)))  # as saved: tuples become lists
     changed = sorted(
-        k for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != v
+        k for k, v in current.items() if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != v
     )
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
