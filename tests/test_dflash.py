@@ -120,6 +120,22 @@ def test_default_layer_ids_follow_reference(num_target, num_draft, expected):
     assert list(DFlashModel.for_target(config, num_layers=num_draft).config.target_layer_ids) == expected
 
 
+def test_calibrated_fc_gives_every_feature_dim_unit_scale(target):
+    """A massive-activation dim (1000× the others) dominates a random fc; calibration divides it out."""
+    model = DFlashModel.for_target(target.config, num_layers=1, block_size=BLOCK, target_layer_ids=(0, 1))
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(500, model.config.feature_size, generator=g) * torch.linspace(0.5, 2, 2 * HIDDEN)
+    features[:, 3] = 1000 + torch.randn(500, generator=g)  # a near-constant massive dim
+    before = model.fc.weight.clone()
+    random_fused = F.normalize(features @ before.T, dim=-1)
+    assert (random_fused @ random_fused.T).abs().mean() > 0.9  # every row points along the massive dim
+    model.calibrate_fc(features)
+    rms = features.pow(2).mean(dim=0).sqrt()
+    torch.testing.assert_close(model.fc(features), (features / rms) @ before.T)
+    fused = F.normalize(model.fc(features), dim=-1)
+    assert (fused @ fused.T).abs().mean() < 0.3  # rows no longer share one direction
+
+
 def test_released_checkpoint_loads_and_drafts(released, target, tokens):
     drafter = DFlashDrafter.from_pretrained(released, target)
     assert isinstance(drafter, Drafter)

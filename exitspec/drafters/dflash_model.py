@@ -357,6 +357,15 @@ class DFlashModel(nn.Module):
         if self.mask_embedding is not None:
             nn.init.normal_(self.mask_embedding, std=std)
 
+    @torch.no_grad()
+    def calibrate_fc(self, features: Tensor) -> None:
+        """Data-dependent init of a fresh drafter: divides fc's input column j by the RMS of feature dim j over
+        `features` [n, F] (context rows of real text). LLM residual streams carry a few massive-activation
+        dims (in SmolLM2-135M layer 27, one dim's RMS is ~30× the median), which would otherwise dominate
+        the randomly fused context, making every context row look alike at the start of training."""
+        rms = features.float().pow(2).mean(dim=0).sqrt().clamp(min=1e-6)  # [F]
+        self.fc.weight.div_(rms.to(self.fc.weight.dtype))
+
     # -- inputs --------------------------------------------------------------------------------------------
 
     def block_embeddings(self, anchor_ids: Tensor, embed: nn.Embedding) -> Tensor:

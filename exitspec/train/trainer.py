@@ -223,6 +223,13 @@ def train(
         _check_resumable(read_state(resumed), cfg, len(data), resumed)  # before weights of another shape fail
         state = load_checkpoint(resumed, drafter, optimizer, anchor_gen, d)
         step, position = state["step"], state["data"]["position"]
+    elif not cfg.init:  # a fresh drafter: scale fc to the features of the first batch (the same on every rank)
+        ids, _, lengths = data.batch(0, 0, cfg.batch_size)
+        ids, lengths = ids.to(d.device), lengths.to(d.device)
+        features = target_features(target, ids, lengths, drafter.config.target_layer_ids)  # [B, L, F]
+        real = torch.arange(ids.shape[1], device=d.device) < lengths[:, None]  # [B, L]
+        real[:, 0] = False  # the first token is an attention sink with a huge norm
+        drafter.calibrate_fc(features[real])
     if d.world > 1:  # the objective holds no buffers: DDP only averages the drafter's gradients
         model = DistributedDataParallel(objective, device_ids=[d.device] if d.device.type == "cuda" else None)
     else:
