@@ -266,6 +266,14 @@ def test_block_attention_semantics(target):
     out0, out1 = run(feats=perturbed_feats([4]))  # before both
     assert not torch.allclose(out0, base0) and not torch.allclose(out1, base1)
 
+    model.config.context_window = 3  # block n now sees context rows anchor−3 .. anchor−1 only
+    windowed0, windowed1 = run()
+    near0, near1 = run(feats=perturbed_feats([2, 3, 4, 6]))  # inside window 0; row 6 inside window 1 (6..8)
+    far0, far1 = run(feats=perturbed_feats([0, 1, 5]))  # before window 0; 5 is before window 1 (6..8)
+    model.config.context_window = None
+    assert not torch.allclose(near0, windowed0) and not torch.allclose(near1, windowed1)
+    assert torch.equal(far0, windowed0) and torch.equal(far1, windowed1)
+
     later_block = embeds.clone()
     later_block[0, BLOCK + 2] += 1.0
     out0, out1 = run(embeds=later_block)  # blocks do not see each other
@@ -277,9 +285,11 @@ def test_block_attention_semantics(target):
     assert not torch.allclose(out0[0], base0[0]) and not torch.allclose(out0[1], base0[1])
 
 
-@pytest.mark.parametrize("learned_mask", [True, False])
-def test_incremental_cache_equals_full_forward(learned_mask, released, target, tokens):
+@pytest.mark.parametrize("learned_mask, window", [(True, None), (False, None), (True, 5)])
+def test_incremental_cache_equals_full_forward(learned_mask, window, released, target, tokens):
+    """Drafting from the incremental cache equals the training-style pass, also with a context window."""
     drafter = fresh_drafter(target) if learned_mask else DFlashDrafter.from_pretrained(released, target)
+    drafter.model.config.context_window = window
     model, embed = drafter.model, target.get_input_embeddings()
     feats = target_features(target, tokens, drafter.feature_layers)  # [72, F]
 

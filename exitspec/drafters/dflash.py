@@ -4,6 +4,7 @@ One round for a context x_0..x_{L-1} whose last token (the root) is not yet in t
 
     cache:  projected K/V of target features for x_0..x_{L-2}, positions 0..L-2 (committed tokens only)
     block:  [x_{L-1}, MASK × (bs−1)] at positions L-1 .. L-2+bs, bidirectional, sees the whole cache
+            (or its last W rows, for a drafter with a context window W)
     output: logits of block slots 1..H = the drafter's marginals for depths 1..H, H = min(bs−1, max_depth)
 
 The block's own keys and values never enter the cache: `commit` appends the features of the tokens the
@@ -104,7 +105,10 @@ class DFlashDrafter:
         anchor = context_ids[-1:].to(self.device, torch.long)[None]  # [1, 1]
         block = self.model.block_embeddings(anchor, self.embed).to(self._dtype)  # [1, bs, D]
         positions = torch.arange(ctx_len, ctx_len + self.block_size, device=self.device)[None]  # [1, bs]
-        ctx_k, ctx_v = self.cache.view()
+        ctx_k, ctx_v = self.cache.view()  # [layers, 1, Hkv, ctx_len, hd]
+        window = self.model.config.context_window
+        if window is not None:
+            ctx_k, ctx_v = ctx_k[:, :, :, -window:], ctx_v[:, :, :, -window:]
         hidden = self.model.decode(block, positions, ctx_k, ctx_v)  # [1, bs, D]
         return self.lm_head(hidden[0, 1 : 1 + depth].to(self.lm_head.weight.dtype)).float()  # [H, V]
 

@@ -15,6 +15,9 @@ layers.N.self_attn.{q,k}_norm.weight and layers.N.mlp.{gate,up,down}_proj.weight
 token (SmolLM2) gets a learned `mask_embedding` [D] instead: `mask_token_id: null` and
 `mask_embedding: "learned"` in dflash_config, and one more tensor in the safetensors file.
 
+A drafter trained with `context_window: W` (in dflash_config) lets each block see only the last W context
+rows, at training and at inference; it attends over at most W + bs keys, whatever the context length.
+
 Attention positions are absolute: context row j sits at its token's position, block slot k at the anchor's
 position + k (the anchor at position = number of context tokens before it).
 """
@@ -69,10 +72,13 @@ class DFlashConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
     attention_bias: bool = False
+    context_window: int | None = None  # blocks see only the last W context rows (None: all, as released)
 
     def __post_init__(self):
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor and a drafted slot), got {self.block_size}")
+        if self.context_window is not None and self.context_window < 1:
+            raise ValueError(f"context_window must be >= 1 or None, got {self.context_window}")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise ValueError(f"target_layer_ids must be non-empty and >= 0, got {list(self.target_layer_ids)}")
 
@@ -131,11 +137,14 @@ class DFlashConfig:
             rope_theta=rope_theta(d),
             max_position_embeddings=int(field("max_position_embeddings", 40960)),
             attention_bias=bool(field("attention_bias", False)),
+            context_window=None if field("context_window", None) is None else int(field("context_window")),
         )
 
     def to_dict(self) -> dict:
         """The released config.json layout, plus `mask_embedding: learned` when there is no mask token."""
         dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
+        if self.context_window is not None:
+            dflash["context_window"] = self.context_window
         if self.mask_token_id is None:
             dflash["mask_embedding"] = LEARNED_MASK
         return {
@@ -321,9 +330,10 @@ class DFlashModel(nn.Module):
         block_size: int = 16,
         std: float = 0.02,
         target_layer_ids: tuple[int, ...] | None = None,
+        context_window: int | None = None,
     ) -> DFlashModel:
         """A freshly initialised drafter sized for an HF target config, reading `target_layer_ids` (default:
-        the reference's choice, `build_target_layer_ids`)."""
+        the reference's choice, `build_target_layer_ids`) over the last `context_window` rows (None: all)."""
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = tc.num_attention_heads
         config = DFlashConfig(
@@ -340,6 +350,7 @@ class DFlashModel(nn.Module):
             rms_norm_eps=tc.rms_norm_eps,
             rope_theta=rope_theta(tc),
             max_position_embeddings=tc.max_position_embeddings,
+            context_window=context_window,
         )
         model = cls(config)
         model.reset_parameters(std)
@@ -419,7 +430,7 @@ class DFlashModel(nn.Module):
         strictly before its anchor) and its own bs slots, bidirectionally. Returns hidden states [B, N*bs, D];
         slot k of a block predicts the token k steps after its anchor."""
         ctx_k, ctx_v = self.context_kv(ctx_features, ctx_positions)
-        mask = block_attention_mask(ctx_lens, self.block_size, ctx_features.shape[1])
+        mask = block_attention_mask(ctx_lens, self.block_size, ctx_features.shape[1], self.config.context_window)
         return self.decode(block_embeds, block_positions, ctx_k, ctx_v, mask)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
@@ -478,13 +489,17 @@ class DFlashModel(nn.Module):
             raise
 
 
-def block_attention_mask(ctx_lens: Tensor, block_size: int, ctx_len: int) -> Tensor:
-    """[B, N*bs, C+N*bs] bool: block n's queries see context rows < ctx_lens[b, n] and their own block."""
+def block_attention_mask(ctx_lens: Tensor, block_size: int, ctx_len: int, window: int | None = None) -> Tensor:
+    """[B, N*bs, C+N*bs] bool: block n's queries see context rows < ctx_lens[b, n] (only the last `window` of
+    them when given) and their own block."""
     b, n = ctx_lens.shape
     t = n * block_size
     device = ctx_lens.device
-    seen = ctx_lens.repeat_interleave(block_size, dim=1)  # [B, T]
-    ctx = torch.arange(ctx_len, device=device) < seen[..., None]  # [B, T, C]
+    seen = ctx_lens.repeat_interleave(block_size, dim=1)[..., None]  # [B, T, 1]
+    rows = torch.arange(ctx_len, device=device)  # [C]
+    ctx = rows < seen  # [B, T, C]
+    if window is not None:
+        ctx &= rows >= seen - window
     block_of = torch.arange(t, device=device) // block_size  # [T]
     own = (block_of[:, None] == block_of[None, :]).expand(b, t, t)  # [B, T, T]
     return torch.cat([ctx, own], dim=-1)

@@ -62,6 +62,8 @@ def build_parser(command: str = "dflash") -> argparse.ArgumentParser:
     t.add_argument("--block-size", type=int, default=d.block_size, help="block size of a fresh drafter")
     t.add_argument("--target-layers", type=lambda v: tuple(int(i) for i in v.split(",")),
                    help="context layers of a fresh drafter, e.g. 15,27 (default: the DFlash reference's choice)")
+    t.add_argument("--context-window", type=int,
+                   help="fresh drafter: blocks see only the last W context rows, in training and inference (default: all)")
     t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     t.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process and step")
     t.add_argument("--anchors", type=int, default=d.anchors, help="blocks per sequence")

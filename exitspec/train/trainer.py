@@ -51,6 +51,7 @@ class TrainConfig:
     num_layers: int = 1  # fresh drafter only
     block_size: int = 16  # fresh drafter only
     target_layers: tuple[int, ...] | None = None  # fresh drafter only; None: the reference's default layers
+    context_window: int | None = None  # fresh drafter only; blocks see the last W context rows (None: all)
     steps: int = 1000
     batch_size: int = 8  # sequences per process and step
     anchors: int = 32  # blocks per sequence
@@ -298,7 +299,8 @@ def make_drafter(cfg: TrainConfig, target) -> DFlashModel:
         drafter = DFlashModel.from_pretrained(cfg.init, dtype=torch.float32)
     else:
         drafter = DFlashModel.for_target(
-            tc, num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=cfg.target_layers
+            tc, num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=cfg.target_layers,
+            context_window=cfg.context_window,
         )
     vocab = target.get_output_embeddings().weight.shape[0]
     drafter.config.check_target(tc.hidden_size, vocab, tc.num_hidden_layers)
