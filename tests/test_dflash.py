@@ -347,3 +347,16 @@ def test_errors_name_the_problem(tmp_path, target, tokens):
         drafter.begin(tokens[:5], torch.zeros(4, 32))
     with pytest.raises(ValueError, match="needs features"):
         drafter.begin(tokens[:5], None)
+
+
+def test_dflash_spec_names_the_shipped_drafter(tmp_path, monkeypatch, target):
+    """'dflash' loads the drafter folder shipped in exitspec/assets, and says so when an install lacks it."""
+    import exitspec.drafters as drafters
+
+    monkeypatch.setattr(drafters, "SHIPPED_DFLASH", tmp_path / "shipped")
+    with pytest.raises(ValueError, match="shipped DFlash drafter is missing"):
+        drafters.load_drafter("dflash", target)
+    DFlashModel.for_target(target.config, num_layers=1, block_size=BLOCK).save_pretrained(tmp_path / "shipped")
+    drafter = drafters.load_drafter("dflash", target)
+    assert isinstance(drafter, DFlashDrafter) and drafter.block_size == BLOCK
+    assert drafters.drafter_folder("dflash") == tmp_path / "shipped" and drafters.drafter_folder("ngram") is None

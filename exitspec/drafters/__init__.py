@@ -8,16 +8,10 @@ from exitspec.drafters.base import Drafter
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.ngram import NgramDrafter
 
-__all__ = ["Drafter", "DFlashDrafter", "NgramDrafter", "SHIPPED_DFLASH", "default_drafter", "drafter_folder", "load_drafter"]
+__all__ = ["Drafter", "DFlashDrafter", "NgramDrafter", "SHIPPED_DFLASH", "drafter_folder", "load_drafter"]
 
 # the DFlash drafter trained for the default model (SmolLM2-135M-Instruct); see its TRAINING.md
 SHIPPED_DFLASH = Path(__file__).resolve().parent.parent / "assets" / "dflash-smollm2-135m-instruct"
-
-
-def default_drafter(model: str | Path | None) -> str:
-    """The drafter used when none is named: the shipped DFlash drafter for the default model (model None),
-    the training-free n-gram drafter for any other model."""
-    return "dflash" if model is None else "ngram"
 
 
 def drafter_folder(spec: str | Path) -> Path | None:
@@ -25,6 +19,8 @@ def drafter_folder(spec: str | Path) -> Path | None:
     if str(spec) == "ngram":
         return None
     folder = SHIPPED_DFLASH if str(spec) == "dflash" else Path(spec)
+    if str(spec) == "dflash" and not (folder / "config.json").is_file():
+        raise ValueError(f"the shipped DFlash drafter is missing from this install ({folder})")
     if not folder.is_dir():
         raise ValueError(f"unknown drafter {str(spec)!r}: use 'dflash', 'ngram' or a DFlash checkpoint folder")
     return folder
