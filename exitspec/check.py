@@ -7,8 +7,8 @@ compared with 1 + C_p(T). `exitspec check` prints the results; the test suite as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from exitspec.drafters import Drafter, load_drafter
-from exitspec.models import load_model_and_tokenizer
 from exitspec.flow import tree_flow
+from exitspec.models import load_model_and_tokenizer
 from exitspec.sampling import SamplingParams, sample_rows, target_probs
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree

@@ -17,8 +17,8 @@ draws the bonus token from the residual at v (flow.py, Eqs. 1–5), so the outpu
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from exitspec.build import build_ddtree
 from exitspec.check import g_test_pvalue
@@ -10,7 +11,6 @@ from exitspec.drafters import DFlashDrafter, NgramDrafter
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
-from tiny_models import tiny_llama
 
 VOCAB = 8
 PROMPT = [2, 5, 3, 7, 2, 5]

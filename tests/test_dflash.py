@@ -351,7 +351,7 @@ def test_errors_name_the_problem(tmp_path, target, tokens):
 
 def test_dflash_spec_names_the_shipped_drafter(tmp_path, monkeypatch, target):
     """'dflash' loads the drafter folder shipped in exitspec/assets, and says so when an install lacks it."""
-    import exitspec.drafters as drafters
+    from exitspec import drafters
 
     monkeypatch.setattr(drafters, "SHIPPED_DFLASH", tmp_path / "shipped")
     with pytest.raises(ValueError, match="shipped DFlash drafter is missing"):

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from exitspec.build import build_ddtree
 from exitspec.drafters.dflash_model import DFlashModel
@@ -15,7 +16,6 @@ from exitspec.train.dflash_loss import DFlashObjective, target_features
 from exitspec.train.exit_loss import ExitConfig, exit_loss, node_weights, train_loss
 from exitspec.train.tree_eval import build_anchor_trees
 from exitspec.tree import DraftTree, TreeBatch
-from tiny_models import tiny_llama
 
 VOCAB, H = 32, 4
 

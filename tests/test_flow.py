@@ -4,10 +4,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from exitspec.check import random_logits, random_tree
 from exitspec.flow import residual_probs, tree_flow
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.tree import TreeBatch
-from exitspec.check import random_logits, random_tree
 
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
 

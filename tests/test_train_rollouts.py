@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+from tiny_models import save_tiny_llama, tiny_llama
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from exitspec.train.cli import main_dflash
 from exitspec.train.prompts import gsm8k_train, interleave, json_array_records
 from exitspec.train.rollouts import GenerationSettings, done_ids, load_rollouts, make_rollouts
-from tiny_models import save_tiny_llama, tiny_llama
 
 EOS = 1
 SETTINGS = GenerationSettings(model="tiny", max_new_tokens=6)

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from tiny_models import save_tiny_llama
 
 from exitspec.train import dist
 from exitspec.train.cli import main_dflash
 from exitspec.train.rollouts import Rollout
 from exitspec.train.trainer import RolloutData, TrainConfig, make_drafter, train
-from tiny_models import save_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from exitspec.build import build_ddtree
 from exitspec.check import random_tree
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.train.tree_eval import build_anchor_trees, evaluate_trees
 from exitspec.tree import DraftTree, TreeBatch
-from tiny_models import tiny_llama
 
 VOCAB = 32
 

@@ -8,7 +8,7 @@ from exitspec.drafters.base import Drafter
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.ngram import NgramDrafter
 
-__all__ = ["Drafter", "DFlashDrafter", "NgramDrafter", "SHIPPED_DFLASH", "drafter_folder", "load_drafter"]
+__all__ = ["SHIPPED_DFLASH", "DFlashDrafter", "Drafter", "NgramDrafter", "drafter_folder", "load_drafter"]
 
 # the DFlash drafter trained for the default model (SmolLM2-135M-Instruct); see its TRAINING.md
 SHIPPED_DFLASH = Path(__file__).resolve().parent.parent / "assets" / "dflash-smollm2-135m-instruct"
