@@ -202,3 +202,26 @@ def test_two_gloo_processes_end_with_identical_weights(setup):
     train(replace(cfg, run_dir=str(setup / "single")), progress=False)
     single = weights(setup / "single" / "final")
     assert any(not torch.equal(w0[k], single[k]) for k in w0)
+
+
+def test_drafter_learns_to_read_the_context(tmp_path):
+    """Responses alternate two random tokens (a, b, a, b, ...): slot 1 after anchor x_a is x_{a−1}, which only
+    the context features hold. Chance is 1/30; a working objective, mask and feature path learn it."""
+    save_tiny_llama(tmp_path / "target")
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(64):
+        a, b = torch.randint(2, 32, (2,), generator=g).tolist()
+        prompt = torch.randint(2, 32, (4,), generator=g).tolist()
+        lines.append(json.dumps({"id": f"r{i:02d}", "prompt_ids": prompt, "response_ids": [a, b] * 12}) + "\n")
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "shard-00000.jsonl").write_text("".join(lines))
+    cfg = TrainConfig(
+        rollouts=str(tmp_path / "rollouts"), run_dir=str(tmp_path / "run"), target=str(tmp_path / "target"),
+        block_size=4, steps=100, batch_size=8, anchors=8, lr=3e-3, warmup=10, gamma=4, log_every=20,
+        save_every=100,
+    )
+    train(cfg, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert log[0]["acc_k"][0] < 0.2 and log[-1]["acc_k"][0] > 0.4
+    assert log[-1]["loss"] < log[0]["loss"] - 1
