@@ -10,7 +10,8 @@ from exitspec.drafters.ngram import NgramDrafter
 
 __all__ = ["SHIPPED_DFLASH", "DFlashDrafter", "Drafter", "NgramDrafter", "drafter_folder", "load_drafter"]
 
-# the DFlash drafter trained for the default model (SmolLM2-135M-Instruct); see its TRAINING.md
+# where the DFlash drafter trained for the default model (SmolLM2-135M-Instruct) ships once it beats n-gram;
+# its training run is in data/dflash-runs/smollm2-135m-instruct
 SHIPPED_DFLASH = Path(__file__).resolve().parent.parent / "assets" / "dflash-smollm2-135m-instruct"
 
 
@@ -18,9 +19,11 @@ def drafter_folder(spec: str | Path) -> Path | None:
     """The checkpoint folder a drafter spec names: None for 'ngram', the shipped one for 'dflash'."""
     if str(spec) == "ngram":
         return None
-    folder = SHIPPED_DFLASH if str(spec) == "dflash" else Path(spec)
-    if str(spec) == "dflash" and not (folder / "config.json").is_file():
-        raise ValueError(f"the shipped DFlash drafter is missing from this install ({folder})")
+    if str(spec) == "dflash":
+        if not (SHIPPED_DFLASH / "config.json").is_file():
+            raise ValueError(f"the shipped DFlash drafter is missing from this install ({SHIPPED_DFLASH})")
+        return SHIPPED_DFLASH
+    folder = Path(spec)
     if not folder.is_dir():
         raise ValueError(f"unknown drafter {str(spec)!r}: use 'dflash', 'ngram' or a DFlash checkpoint folder")
     return folder

@@ -63,8 +63,8 @@ def target_features(model: PreTrainedModel, ids: Tensor, lengths: Tensor, layer_
     reads the middle layer pays for half the target. A tap of the last layer runs the whole model instead,
     since HF's hidden_states[L] is the final-normed state, not the last layer's raw output."""
     mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
-    layers = model.get_decoder().layers
-    if max(layer_ids) >= len(layers) - 1:
+    decoder, deepest = model.get_decoder(), max(layer_ids)
+    if deepest >= len(decoder.layers) - 1:
         out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False, logits_to_keep=1)
         return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
     taps: dict[int, Tensor] = {}
@@ -72,14 +72,14 @@ def target_features(model: PreTrainedModel, ids: Tensor, lengths: Tensor, layer_
     def tap(i: int):
         def hook(_module, _args, output):
             taps[i] = output[0] if isinstance(output, tuple) else output  # [B, L, D]
-            if i == max(layer_ids):
+            if i == deepest:
                 raise _StopForward
 
         return hook
 
-    handles = [layers[i].register_forward_hook(tap(i)) for i in set(layer_ids)]
+    handles = [decoder.layers[i].register_forward_hook(tap(i)) for i in set(layer_ids)]
     try:
-        model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)
+        decoder(input_ids=ids, attention_mask=mask, use_cache=False)
     except _StopForward:
         pass
     finally:
