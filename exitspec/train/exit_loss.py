@@ -134,8 +134,8 @@ def train_loss(
     objective = model.module if isinstance(model, DistributedDataParallel) else model
     with captured_output(objective.lm_head) as outputs:
         block = model(ids, features, lengths, anchors, keep)
-    (draft_logits,) = outputs  # [B, N, bs−1, V]: the block's drafted slots, with grad
-    draft_logits = draft_logits.float()
+    (draft_logits,) = outputs  # [B·N·(bs−1), V]: the block's drafted slots, with grad
+    draft_logits = draft_logits.float().view(*anchors.shape, objective.drafter.block_size - 1, -1)  # [B, N, bs−1, V]
     trees = build_anchor_trees(draft_logits, ids.gather(1, anchors), keep, cfg.budget)  # [B*N, M]
     probs = evaluate_trees(target, ids, anchors, trees, SamplingParams(cfg.temperature))  # [B*N, M, V]
     exits = exit_loss(draft_logits.flatten(0, 1), trees, probs, cfg.weight, cfg.exclude_horizon_leaves)
