@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the user message (sent through the chat template)")
     p.add_argument("--model", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default="ngram",
-                   help="'ngram', 'dflash' (the drafter shipped for the default model) or a DFlash checkpoint folder")
+    p.add_argument("--drafter", default=None,
+                   help="'dflash' (the drafter shipped for the default model; the default there), 'ngram' (prompt "
+                   "lookup; the default for other models) or a DFlash checkpoint folder")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -73,9 +74,11 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 def _generate(args) -> int:
     from exitspec.decode import SpeculativeDecoder, generate_autoregressive
+    from exitspec.drafters import default_drafter
 
     if args.verifier == "greedy" and args.temperature != 0:
         raise ValueError("the greedy verifier is exact only at temperature 0; use predraw, sequential or tev")
+    args.drafter = args.drafter or default_drafter(args.model)
     decoder = SpeculativeDecoder.from_pretrained(args.model, args.drafter, args.device, getattr(torch, args.dtype))
     settings = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

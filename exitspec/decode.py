@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from exitspec.drafters import Drafter, load_drafter
+from exitspec.drafters import Drafter, default_drafter, load_drafter
 from exitspec.flow import tree_flow
 from exitspec.models import load_model_and_tokenizer
 from exitspec.sampling import SamplingParams, sample_rows, target_probs
@@ -203,13 +203,14 @@ class SpeculativeDecoder:
     def from_pretrained(
         cls,
         model: str | Path | None = None,
-        drafter: str | Path = "ngram",
+        drafter: str | Path | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> SpeculativeDecoder:
-        """A local HF model folder (None: the default SmolLM2-135M-Instruct) and a drafter (see load_drafter)."""
+        """A local HF model folder (None: the default SmolLM2-135M-Instruct) and a drafter (see load_drafter;
+        None: the shipped DFlash drafter for the default model, n-gram for any other)."""
         hf_model, tokenizer = load_model_and_tokenizer(model, device, dtype)
-        draft = load_drafter(drafter, hf_model)
+        draft = load_drafter(drafter or default_drafter(model), hf_model)
         return cls(TargetModel(hf_model, tokenizer, draft.feature_layers), draft)
 
     def generate(

@@ -25,6 +25,7 @@ from exitspec.bench import report, verifier
 from exitspec.bench.datasets import BUILTIN, load_dataset
 from exitspec.bench.presets import CUSTOM, PRESETS, VERIFIER_LATENCY, configs
 from exitspec.bench.runner import Plan, ResultsFile, Runner, environment, run_plan
+from exitspec.drafters import default_drafter
 from exitspec.verify import DECIDERS
 
 
@@ -42,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data-dir", type=Path, metavar="DIR", help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
     d.add_argument("--num-prompts", type=int, metavar="N", help="the first N samples of each dataset (default: all)")
     s = p.add_argument_group("settings (a preset's values unless given)")
-    s.add_argument("--drafters", nargs="+", default=["ngram"], metavar="SPEC",
-                   help="'ngram', 'dflash' (the drafter shipped for the default model), DFlash checkpoint folders, or "
-                   "chain:SPEC for a drafter's single best path")
+    s.add_argument("--drafters", nargs="+", metavar="SPEC",
+                   help="'dflash' (the drafter shipped for the default model; the default there), 'ngram' (the "
+                   "default for other models), DFlash checkpoint folders, or chain:SPEC for a drafter's best path")
     s.add_argument("--budgets", type=int, nargs="+", metavar="B", help="draft tokens per tree (default 32)")
     s.add_argument("--verifiers", nargs="+", choices=sorted(DECIDERS), metavar="NAME",
                    help=f"among {', '.join(sorted(DECIDERS))} (default tev)")
@@ -106,7 +107,10 @@ def _run(args) -> int:
     budgets = args.budgets or list(preset.budgets)
     plan = Plan(
         datasets,
-        configs(args.drafters, budgets, args.verifiers or list(preset.verifiers), args.chain or preset.chain),
+        configs(
+            args.drafters or [default_drafter(args.model)], budgets, args.verifiers or list(preset.verifiers),
+            args.chain or preset.chain,
+        ),
         args.temperatures if args.temperatures is not None else list(preset.temperatures),
         args.max_new_tokens, args.top_p, args.top_k, args.repeats, args.seed,
     )

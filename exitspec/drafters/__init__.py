@@ -8,11 +8,18 @@ from exitspec.drafters.base import Drafter
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.ngram import NgramDrafter
 
-__all__ = ["SHIPPED_DFLASH", "DFlashDrafter", "Drafter", "NgramDrafter", "drafter_folder", "load_drafter"]
+__all__ = [
+    "SHIPPED_DFLASH", "DFlashDrafter", "Drafter", "NgramDrafter", "default_drafter", "drafter_folder", "load_drafter"
+]
 
-# where the DFlash drafter trained for the default model (SmolLM2-135M-Instruct) ships once it beats n-gram;
-# its training run is in data/dflash-runs/smollm2-135m-instruct
+# the DFlash drafter trained for the default model (SmolLM2-135M-Instruct); its training run, command and
+# record are in data/dflash-runs/smollm2-135m-instruct
 SHIPPED_DFLASH = Path(__file__).resolve().parent.parent / "assets" / "dflash-smollm2-135m-instruct"
+
+
+def default_drafter(model: str | Path | None) -> str:
+    """The drafter used when none is named: 'dflash' (shipped) for the default model, else 'ngram'."""
+    return "dflash" if model is None else "ngram"
 
 
 def drafter_folder(spec: str | Path) -> Path | None:
