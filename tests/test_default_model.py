@@ -1,10 +1,13 @@
 """The embedded default model (SmolLM2-135M-Instruct): greedy speculative decoding equals
-`model.generate(do_sample=False)` token for token, for every verifier and budgets 1, 8 and 32."""
+`model.generate(do_sample=False)` token for token, for every verifier and budgets 1, 8 and 32 with the
+n-gram drafter, and with the shipped DFlash drafter (the default) for the greedy and TEV verifiers."""
 
 import pytest
 import torch
 
 from exitspec.decode import SpeculativeDecoder, encode_prompt
+from exitspec.drafters import load_drafter
+from exitspec.target import TargetModel
 
 PROMPTS = [
     "What is 17 times 23? Think step by step.",
@@ -14,6 +17,9 @@ PROMPTS = [
     "Translate 'good morning, how are you?' into French and Spanish.",
 ]
 NEW_TOKENS = 64
+# τ (tokens per round) below which the shipped DFlash drafter would be no better than no drafter at all
+# (τ = 1); on these prompts it reaches MEASURED at B = 8 and 32
+TRAINED_DFLASH_MIN_TAU = 1.3
 
 pytestmark = pytest.mark.slow
 
@@ -21,6 +27,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def decoder():
     return SpeculativeDecoder.from_pretrained(None, "ngram")
+
+
+@pytest.fixture(scope="module")
+def dflash_decoder(decoder):
+    """The shipped DFlash drafter on the same weights (its own target cache, tapping the drafter's layers)."""
+    hf_model = decoder.target.model
+    drafter = load_drafter("dflash", hf_model)
+    return SpeculativeDecoder(TargetModel(hf_model, decoder.target.tokenizer, drafter.feature_layers), drafter)
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +54,14 @@ def test_greedy_speculative_equals_generate(decoder, references, verifier, budge
     for prompt in PROMPTS:
         out = decoder.generate(prompt, NEW_TOKENS, temperature=0.0, budget=budget, verifier=verifier)
         assert out.tokens == references[prompt], (prompt, verifier, budget)
+
+
+@pytest.mark.parametrize("budget", [8, 32])
+@pytest.mark.parametrize("verifier", ["greedy", "tev"])
+def test_greedy_dflash_equals_generate(dflash_decoder, references, verifier, budget):
+    accepted = rounds = 0
+    for prompt in PROMPTS:
+        out = dflash_decoder.generate(prompt, NEW_TOKENS, temperature=0.0, budget=budget, verifier=verifier)
+        assert out.tokens == references[prompt], (prompt, verifier, budget)
+        accepted, rounds = accepted + len(out.tokens), rounds + len(out.rounds)
+    assert accepted / rounds > TRAINED_DFLASH_MIN_TAU, "the shipped drafter should get draft tokens accepted"
