@@ -80,10 +80,10 @@ def _generate(args) -> int:
         raise ValueError("the greedy verifier is exact only at temperature 0; use predraw, sequential or tev")
     args.drafter = args.drafter or default_drafter(args.model)
     decoder = SpeculativeDecoder.from_pretrained(args.model, args.drafter, args.device, getattr(torch, args.dtype))
-    settings = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, chat=not args.no_chat,
-    )
+    settings = {
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat,
+    }
     spec_settings = dict(settings, budget=args.budget, verifier=args.verifier)
     if args.compare:  # one short warm-up of each loop, so that neither pays one-time costs in the timing
         decoder.generate(args.prompt, **dict(spec_settings, max_new_tokens=4))

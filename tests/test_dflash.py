@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from exitspec.drafters.base import Drafter
 from exitspec.drafters.dflash import DFlashDrafter
-from exitspec.drafters.dflash_model import DFlashModel, build_target_layer_ids
+from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel, build_target_layer_ids
 from exitspec.tree import DraftTree
 
 VOCAB, HIDDEN, TARGET_LAYERS, BLOCK = 32, 32, 4, 5
@@ -360,3 +360,16 @@ def test_dflash_spec_names_the_shipped_drafter(tmp_path, monkeypatch, target):
     drafter = drafters.load_drafter("dflash", target)
     assert isinstance(drafter, DFlashDrafter) and drafter.block_size == BLOCK
     assert drafters.drafter_folder("dflash") == tmp_path / "shipped" and drafters.drafter_folder("ngram") is None
+
+
+def test_the_shipped_drafter_fits_the_default_model_and_is_its_default():
+    """The committed drafter folder is safetensors of at most 40 MB, made for SmolLM2-135M-Instruct's sizes
+    (hidden 576, vocabulary 49152, 30 layers), and `generate` picks it for the default model only."""
+    from exitspec import drafters
+
+    folder = drafters.SHIPPED_DFLASH
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == ["config.json", "model.safetensors"]
+    assert (folder / "model.safetensors").stat().st_size <= 40 * 2**20
+    DFlashConfig.load(folder).check_target(hidden_size=576, vocab_size=49152, num_layers=30)
+    assert drafters.default_drafter(None) == "dflash" and drafters.default_drafter("some/llama") == "ngram"

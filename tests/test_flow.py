@@ -1,5 +1,7 @@
 """Lemma 1 of the exit law on random trees (hypothesis), batching, and the residuals."""
 
+import itertools
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,7 +39,7 @@ def test_reach_is_product_of_edges_along_the_path(seed):
     flow = tree_flow(tree, probs)
     for node in range(1, tree.size):
         path = [0] + tree.path(node)
-        expected = torch.prod(torch.stack([probs[a, tree.tokens[b]] for a, b in zip(path, path[1:])]))
+        expected = torch.prod(torch.stack([probs[a, tree.tokens[b]] for a, b in itertools.pairwise(path)]))
         assert torch.isclose(flow.reach[node], expected, atol=1e-12)
 
 

@@ -84,7 +84,7 @@ def test_matches_loop_and_builds_bounded_trees(context, max_depth, budget, max_n
     assert tree.num_nodes <= budget and tree.depth <= max_depth
 
 
-@pytest.mark.parametrize("kwargs", [dict(min_ngram=0), dict(max_ngram=2, min_ngram=3), dict(max_candidates=0)])
+@pytest.mark.parametrize("kwargs", [{"min_ngram": 0}, {"max_ngram": 2, "min_ngram": 3}, {"max_candidates": 0}])
 def test_rejects_bad_settings(kwargs):
     with pytest.raises(ValueError):
         NgramDrafter(**kwargs)

@@ -100,7 +100,7 @@ def manual_block(objective, ids, features, b, a):
 
 
 def test_loss_is_the_decayed_mean_of_per_block_cross_entropies(objective, batch):
-    ids, starts, lengths, features = batch
+    ids, _, lengths, features = batch
     anchors, keep = torch.tensor([[4, 7, 10], [3, 7, 0]]), torch.tensor([[True, True, True], [True, True, False]])
     with torch.no_grad():
         out = objective(ids, features, lengths, anchors, keep)

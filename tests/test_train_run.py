@@ -37,21 +37,21 @@ def setup(tmp_path_factory):
 
 
 def config(root, run: str, **kw) -> TrainConfig:
-    base = dict(
-        rollouts=str(root / "rollouts"),
-        run_dir=str(root / run),
-        target=str(root / "target"),
-        block_size=4,
-        steps=6,
-        batch_size=3,
-        anchors=4,
-        max_len=24,
-        lr=1e-2,
-        warmup=2,
-        save_every=2,
-        log_every=1,
-        weight_decay=0.1,
-    )
+    base = {
+        "rollouts": str(root / "rollouts"),
+        "run_dir": str(root / run),
+        "target": str(root / "target"),
+        "block_size": 4,
+        "steps": 6,
+        "batch_size": 3,
+        "anchors": 4,
+        "max_len": 24,
+        "lr": 1e-2,
+        "warmup": 2,
+        "save_every": 2,
+        "log_every": 1,
+        "weight_decay": 0.1,
+    }
     return TrainConfig(**{**base, **kw})
 
 

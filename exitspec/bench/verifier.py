@@ -139,7 +139,7 @@ def time_pair(
     for r in range(warmup + repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no call always follows another
             fresh = DraftTree(tree.parents, tree.tokens, tree.depths)  # same tensors, empty structure caches
-            seconds = _seconds(lambda: calls[name](fresh), logits.device)
+            seconds = _seconds(lambda call=calls[name], t=fresh: call(t), logits.device)
             if r >= warmup:
                 samples[name].append(seconds)
     return samples
