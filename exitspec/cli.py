@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("inspect", help="where the target's mass leaves the draft trees (`exitspec inspect --help`)")
     commands.add_parser("bench", help="τ and speedup on datasets, paper-style tables (`exitspec bench --help`)")
     train = commands.add_parser("train", help="train a drafter (see `exitspec train dflash --help`)")
-    train.add_argument("what", choices=["dflash", "exit"])
+    train.add_argument("what", choices=["dflash", "exit", "eval"])
     train.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     try:
@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "check":
             return _check(args)
-        from exitspec.train.cli import main_dflash, main_exit
+        from exitspec.train.cli import main_dflash, main_eval, main_exit
 
-        return (main_exit if args.what == "exit" else main_dflash)(args.rest)
+        return {"dflash": main_dflash, "exit": main_exit, "eval": main_eval}[args.what](args.rest)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
         print(f"exitspec: error: {err}", file=sys.stderr)
         return 2

@@ -3,8 +3,11 @@
 prompts      training prompts: GSM8K train, ShareGPT first turns (never the evaluation sets)
 rollouts     the target's own responses, cached as resumable JSONL shards
 dflash_loss  the DFlash objective: anchors, masked blocks, position-decayed cross-entropy
+tree_eval    the drafter's inference-time trees at training anchors, scored exactly by one target forward
+exit_loss    ExitTrain: the exit-weighted (or prefix-weighted) likelihood of those trees' nodes
 checkpoint   pickle-free checkpoints: safetensors tensors, JSON scalars and RNG states
 dist         torch.distributed set-up (nccl on GPUs, gloo on CPUs)
 trainer      the training loop (AdamW, warmup + cosine, DDP, exact resume)
-cli          `exitspec train dflash` (main_dflash), also `python -m exitspec.train.dflash`
+acceptance   held-out E[τ] = 1 + C_p of a drafter's trees, exact and without decoding
+cli          `exitspec train dflash | exit | eval` (also `python -m exitspec.train.dflash`)
 """

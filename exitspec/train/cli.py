@@ -5,25 +5,34 @@ exitspec train dflash --steps 2000 --run-dir runs/dflash                # train 
 torchrun --nproc_per_node 8 -m exitspec.train.dflash --steps 2000       # the same on 8 processes (DDP)
 exitspec train exit --weight exit --lam 1 --budget 32                   # plus λ·L_exit on the drafter's own trees
 torchrun --nproc_per_node 8 -m exitspec.cli train exit --steps 2000     # the exit loss on 8 processes
+exitspec train eval --drafters dflash runs/exit/final --budgets 32 64    # held-out E[τ] = 1 + C_p, no decoding
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
 from itertools import islice
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
+from exitspec.bench.datasets import load_dataset
 from exitspec.decode import encode_prompt
+from exitspec.drafters import drafter_folder
+from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.models import DEFAULT_MODEL, load_model_and_tokenizer
 from exitspec.train import dist
+from exitspec.train.acceptance import heldout_prompts, measure_acceptance
+from exitspec.train.dflash_loss import DFlashObjective
 from exitspec.train.exit_loss import WEIGHT_MODES
 from exitspec.train.prompts import gsm8k_train, interleave, sharegpt
-from exitspec.train.rollouts import GenerationSettings, make_rollouts
-from exitspec.train.trainer import TrainConfig, train
+from exitspec.train.rollouts import GenerationSettings, load_rollouts, make_rollouts
+from exitspec.train.trainer import RolloutData, TrainConfig, train
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -121,6 +130,94 @@ def main_exit(argv: list[str] | None = None) -> int:
     return main_dflash(argv, command="exit")
 
 
+def build_eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="exitspec train eval", formatter_class=_HelpFormatter,
+        description="Held-out acceptance of DFlash drafters, exact and without decoding (exitspec.train.acceptance): "
+        "E[τ] = 1 + C_p of each drafter's DDTrees at anchors along the target's own responses to benchmark prompts.",
+    )
+    p.add_argument("--drafters", nargs="+", default=["dflash"], metavar="SPEC",
+                   help="'dflash' (the shipped drafter) or DFlash checkpoint folders")
+    p.add_argument("--target", help=f"target HF causal-LM folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mtbench"], metavar="NAME",
+                   help="benchmark sets (exitspec.bench.datasets); their first turns are the held-out prompts")
+    p.add_argument("--data-dir", type=Path, help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
+    p.add_argument("--num-prompts", type=int, default=20, help="the first N samples of each dataset")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's held-out responses")
+    p.add_argument("--rollouts", default="runs/heldout", help="held-out responses, cached per dataset here")
+    p.add_argument("--budgets", type=int, nargs="+", default=[32], help="DDTree budgets B")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="target warps")
+    p.add_argument("--anchors", type=int, default=16, help="anchors per response")
+    p.add_argument("--batch-size", type=int, default=1, help="responses per target forward")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main_eval(argv: list[str] | None = None) -> int:
+    """`exitspec train eval`: a table of E[τ] per drafter, dataset, budget and temperature."""
+    args = build_eval_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        rows = run_eval(args)
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
+        print(f"exitspec train eval: error: {e}", file=sys.stderr)
+        return 1
+    table = Table(title="Held-out E[τ] = 1 + C_p (± s.e.), and P(accept >= d) by depth d")
+    for col in ("drafter", "dataset", "B", "T", "anchors", "E[τ]", "P(>=d), d = 1, 2, ..."):
+        table.add_column(col, justify="left" if col in ("drafter", "dataset") else "right")
+    for r in rows:
+        table.add_row(
+            r["drafter"], r["dataset"], str(r["budget"]), f"{r['temperature']:g}", str(r["trees"]),
+            f"{r['tau']:.3f} ± {r['tau_stderr']:.3f}", " ".join(f"{x:.2f}" for x in r["reach_by_depth"][1:]),
+        )
+    Console(width=160).print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                                       indent=1) + "\n")
+    return 0
+
+
+def run_eval(args) -> list[dict]:
+    """Makes the held-out responses that are not cached yet, then measures every drafter on every dataset."""
+    folders = [drafter_folder(spec) for spec in args.drafters]
+    if None in folders:
+        raise ValueError("held-out acceptance measures DFlash drafters; 'ngram' has no draft logits to build from")
+    model, tokenizer = load_model_and_tokenizer(args.target, args.device, torch.float32)
+    if tokenizer is None:
+        raise ValueError("held-out prompts are text: the target folder needs a tokenizer")
+    settings = GenerationSettings(
+        model=str(Path(args.target).resolve()) if args.target else DEFAULT_MODEL,
+        max_new_tokens=args.max_new_tokens, temperature=0.0, seed=args.seed,
+    )
+    data = {}
+    for spec in args.datasets:
+        name, samples = load_dataset(spec, args.data_dir)
+        folder = Path(args.rollouts) / name
+        prompts = heldout_prompts(samples, tokenizer, name, args.num_prompts)
+        make_rollouts(model, prompts, folder, settings, *stop_and_pad(model, tokenizer), progress=not args.no_progress)
+        wanted = {pid for pid, _ in prompts}
+        data[name] = RolloutData([r for r in load_rollouts(folder) if r.id in wanted], max_len=1 << 20, seed=args.seed)
+    rows = []
+    for spec, folder in zip(args.drafters, folders, strict=True):
+        drafter = DFlashModel.from_pretrained(folder, device=model.device, dtype=torch.float32)
+        tc = model.config.get_text_config()
+        drafter.config.check_target(tc.hidden_size, model.get_output_embeddings().weight.shape[0], tc.num_hidden_layers)
+        objective = DFlashObjective(drafter, model.get_input_embeddings(), model.get_output_embeddings())
+        for name, sequences in data.items():
+            results = measure_acceptance(
+                objective, model, sequences, args.budgets, args.temperatures, args.anchors, args.batch_size,
+                args.seed, progress=not args.no_progress,
+            )
+            rows += [{"drafter": spec, "dataset": name, **asdict(r)} for r in results]
+    return rows
+
+
 def run_rollouts(args, dtype: str) -> int:
     """Generates the rollouts not yet in args.rollouts (one process: the folder is not shared between ranks)."""
     if dist.setup(args.device).world > 1:
@@ -134,9 +231,6 @@ def run_rollouts(args, dtype: str) -> int:
         sources.append(encode(gsm8k_train(args.data_dir), tokenizer, args.gsm8k, args.max_prompt_tokens))
     if args.sharegpt:
         sources.append(encode(sharegpt(), tokenizer, args.sharegpt, args.max_prompt_tokens))
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     settings = GenerationSettings(
         model=str(Path(args.target).resolve()) if args.target else DEFAULT_MODEL,
         max_new_tokens=args.max_new_tokens,
@@ -144,10 +238,17 @@ def run_rollouts(args, dtype: str) -> int:
         seed=args.seed,
     )
     prompts = interleave(*sources)
-    n = make_rollouts(model, prompts, args.rollouts, settings, eos, pad, args.gen_batch_size, args.shard_size,
-                      progress=not args.no_progress)
+    n = make_rollouts(model, prompts, args.rollouts, settings, *stop_and_pad(model, tokenizer), args.gen_batch_size,
+                      args.shard_size, progress=not args.no_progress)
     print(f"{n} new rollouts in {args.rollouts}")
     return 0
+
+
+def stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
+    """The end-of-sequence ids that end a rollout, and the id that pads a batch."""
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
+    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
 
 
 def encode(prompts, tokenizer, limit: int, max_tokens: int) -> list[tuple[str, list[int]]]:

@@ -72,14 +72,8 @@ def tree_attention_inputs(
 
 
 @torch.no_grad()
-def evaluate_trees(
-    model: PreTrainedModel,
-    ids: Tensor,
-    anchors: Tensor,
-    trees: TreeBatch,
-    params: SamplingParams = PLAIN,
-) -> Tensor:
-    """Target probabilities [B*N, M, V] (float32, after `params`' warp) at every slot of every anchor's tree.
+def tree_logits(model: PreTrainedModel, ids: Tensor, anchors: Tensor, trees: TreeBatch) -> Tensor:
+    """Target logits [B*N, M, V] at every slot of every anchor's tree.
 
     ids [B, L], anchors [B, N], trees [B*N, M] from `build_anchor_trees` (tree (b, i) rooted at ids[b, a_bi]).
     One forward of the frozen HF causal LM (sdpa or eager attention) over the packed input, no cache; logits
@@ -89,4 +83,11 @@ def evaluate_trees(
     m = trees.parents.shape[1]
     input_ids, positions, mask = tree_attention_inputs(ids, anchors, trees, model.dtype)
     out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=False, logits_to_keep=n * m)
-    return target_probs(out.logits.view(b * n, m, -1), params)  # [B*N, M, V]
+    return out.logits.view(b * n, m, -1)
+
+
+def evaluate_trees(
+    model: PreTrainedModel, ids: Tensor, anchors: Tensor, trees: TreeBatch, params: SamplingParams = PLAIN
+) -> Tensor:
+    """Target probabilities [B*N, M, V] (float32, after `params`' warp) at every slot: `tree_logits`, warped."""
+    return target_probs(tree_logits(model, ids, anchors, trees), params)
