@@ -140,6 +140,7 @@ def _verifier_latency(args, out: Path) -> int:
     argv += ["--temperatures", *map(str, args.temperatures)] if args.temperatures else []
     argv += ["--prompts", str(args.num_prompts)] if args.num_prompts else []
     argv += ["--model", args.model] if args.model else []
+    argv += ["--drafter", args.drafters[0]] if args.drafters else []
     argv += ["--top-p", str(args.top_p)]
     out.mkdir(parents=True, exist_ok=True)
     result = verifier.main(argv)

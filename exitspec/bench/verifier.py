@@ -1,15 +1,17 @@
 """Latency of the verifier decision alone: predraw vs TEV (plus sequential and greedy) on the same trees.
 
     python -m exitspec.bench.verifier [--budgets 16 32 64 128] [--temperatures 1.0 0.6] [--top-p 1.0]
-        [--prompts 4] [--depth 16] [--repeats 50] [--device cpu|cuda] [--threads N] [--synthetic]
-        [--json PATH]
+        [--prompts 4] [--depth 16] [--repeats 50] [--drafter dflash|oracle|PATH] [--device cpu|cuda]
+        [--threads N] [--synthetic] [--json PATH]
 
-Realised trees. For each built-in chat prompt the default target (fp32) is prefilled and run greedily for
-`depth` steps; row d-1 of the log-marginals is the target's own log-probabilities d-1 steps ahead along that
-greedy path. This "oracle marginal drafter" stands in for a DFlash drafter until a trained one ships: it
-gives DDTree trees (`build_ddtree`, budget B) of a realistic shape whose spine agrees with the target more
-often than a real drafter's would. One `forward_tree` then gives the real logits [N+1, V] of each tree.
-`--synthetic` skips the model: random trees and peaked random logits of the same shapes.
+Realised trees. For each built-in chat prompt the target (fp32) is prefilled and the drafter gives its
+per-depth log-marginals for the tokens after the prompt: the DFlash drafter (`--drafter dflash`, the one
+shipped for the default model and its default there, or a checkpoint folder) from one block forward, or,
+with `--drafter oracle` (the default for other models), the target's own log-probabilities d-1 steps ahead
+along its greedy continuation of `depth` steps, whose trees agree with the target more often than a real
+drafter's. DDTree (`build_ddtree`, budget B) turns them into the tree the decode loop would verify, and one
+`forward_tree` gives the real logits [N+1, V] of each tree. `--synthetic` skips the model: random trees and
+peaked random logits of the same shapes.
 
 Timing. Per (tree, logits) pair and temperature, probs = target_probs(logits) is computed once; then the
 warp itself and every verifier are timed `repeats` times after `warmup` calls, round-robin with a rotating
@@ -43,7 +45,9 @@ from torch import Tensor
 
 from exitspec.build import build_ddtree
 from exitspec.decode import encode_prompt
+from exitspec.drafters import DFlashDrafter, load_drafter
 from exitspec.flow import tree_flow
+from exitspec.models import load_model_and_tokenizer
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
@@ -75,12 +79,26 @@ def oracle_log_marginals(target: TargetModel, prompt_ids: list[int], depth: int)
     return torch.stack(rows)
 
 
-def realised_pairs(target: TargetModel, budgets: list[int], n_prompts: int, depth: int) -> dict[int, list[Pair]]:
-    """Per budget, one DDTree per prompt from the oracle marginals, with the target's logits over it."""
+def drafter_log_marginals(target: TargetModel, drafter: DFlashDrafter, prompt_ids: list[int], depth: int) -> Tensor:
+    """[H, V] the DFlash drafter's log-marginals for the tokens after the prompt, H = min(block size − 1, depth)."""
+    target.reset()
+    ids = torch.tensor(prompt_ids, device=target.device)
+    drafter.begin(ids, target.prefill(ids[:-1]))
+    return torch.log_softmax(drafter.propose(ids, depth), dim=-1)
+
+
+def realised_pairs(
+    target: TargetModel, budgets: list[int], n_prompts: int, depth: int, drafter: DFlashDrafter | None = None
+) -> dict[int, list[Pair]]:
+    """Per budget, one DDTree per prompt from the drafter's marginals (None: the oracle's), with the target's
+    logits over it."""
     pairs: dict[int, list[Pair]] = defaultdict(list)
     for prompt in PROMPTS[:n_prompts]:
         prompt_ids = encode_prompt(target.tokenizer, prompt)
-        log_marginals = oracle_log_marginals(target, prompt_ids, depth)  # [H, V]
+        if drafter is None:
+            log_marginals = oracle_log_marginals(target, prompt_ids, depth)  # [H, V]
+        else:
+            log_marginals = drafter_log_marginals(target, drafter, prompt_ids, depth)  # [H, V]
         for budget in budgets:
             target.reset()
             target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
@@ -222,6 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="'dflash' (the shipped drafter; the default for the default "
+                   "model), a DFlash checkpoint folder, or 'oracle' (the target's own log-probs; default otherwise)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--synthetic", action="store_true", help="random trees and logits instead of the model")
@@ -240,13 +260,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.synthetic:
         pairs = synthetic_pairs(args.budgets, args.prompts, args.depth, args.vocab, device, args.seed)
         vocab = args.vocab
+        mode = "synthetic"
     else:
-        target = TargetModel.from_pretrained(args.model, device=device)
-        pairs = realised_pairs(target, args.budgets, args.prompts, args.depth)
+        spec = args.drafter or ("oracle" if args.model else "dflash")
+        hf_model, tokenizer = load_model_and_tokenizer(args.model, device, torch.float32)
+        drafter = None if spec == "oracle" else load_drafter(spec, hf_model)
+        if drafter is not None and not isinstance(drafter, DFlashDrafter):
+            p.error(f"--drafter {spec!r} gives no marginals: use 'oracle', 'dflash' or a DFlash checkpoint folder")
+        target = TargetModel(hf_model, tokenizer, drafter.feature_layers if drafter else ())
+        pairs = realised_pairs(target, args.budgets, args.prompts, args.depth, drafter)
         vocab = target.vocab_size
-        del target  # the timing touches only the (tree, logits) pairs
+        mode = f"{spec}-drafter trees on {args.model or 'SmolLM2-135M-Instruct'}"
+        del target, drafter, hf_model  # the timing touches only the (tree, logits) pairs
     result = {
-        "mode": "synthetic" if args.synthetic else f"oracle-marginal trees on {args.model or 'SmolLM2-135M-Instruct'}",
+        "mode": mode,
         "device": str(device),
         "threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
