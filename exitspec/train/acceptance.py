@@ -81,7 +81,7 @@ def measure_acceptance(
             logits = tree_logits(target, ids, picked, trees)  # [B*N, M, V]
             for temperature in temperatures:
                 flow = tree_flow(trees, target_probs(logits, SamplingParams(temperature)))
-                sums[budget, temperature].add(flow.reach, flow.exit, trees.depths, trees.valid, kept)
+                sums[budget, temperature].add(flow.reach, flow.exit, trees.depths, kept)
         bar.update(count)
     bar.close()
     return [sums[b, t].result(b, t) for b in budgets for t in temperatures]
@@ -95,10 +95,9 @@ class _Sums:
         self.reach = torch.zeros(horizon + 1, dtype=torch.float64, device=device)  # [H+1]
         self.exit = torch.zeros(horizon + 1, dtype=torch.float64, device=device)  # [H+1]
 
-    def add(self, reach: Tensor, exit_mass: Tensor, depths: Tensor, valid: Tensor, kept: Tensor) -> None:
-        """reach, exit_mass, depths, valid [T, M]; kept [T]: the anchors that count."""
-        reach, exit_mass = reach[kept] * valid[kept], exit_mass[kept]  # padded slots carry no mass
-        depths = depths[kept]
+    def add(self, reach: Tensor, exit_mass: Tensor, depths: Tensor, kept: Tensor) -> None:
+        """reach, exit_mass, depths [T, M] (tree_flow gives padded slots no mass); kept [T]: the anchors that count."""
+        reach, exit_mass, depths = reach[kept], exit_mass[kept], depths[kept]
         tau = 1.0 + reach[:, 1:].sum(dim=1).double()  # [T']
         self.n += int(tau.numel())
         self.tau += float(tau.sum())

@@ -23,8 +23,7 @@ from rich.table import Table
 
 from exitspec.bench.datasets import load_dataset
 from exitspec.decode import encode_prompt
-from exitspec.drafters import drafter_folder
-from exitspec.drafters.dflash_model import DFlashModel
+from exitspec.drafters import DFlashDrafter, drafter_folder
 from exitspec.models import DEFAULT_MODEL, load_model_and_tokenizer
 from exitspec.train import dist
 from exitspec.train.acceptance import heldout_prompts, measure_acceptance
@@ -205,10 +204,8 @@ def run_eval(args) -> list[dict]:
         data[name] = RolloutData([r for r in load_rollouts(folder) if r.id in wanted], max_len=1 << 20, seed=args.seed)
     rows = []
     for spec, folder in zip(args.drafters, folders, strict=True):
-        drafter = DFlashModel.from_pretrained(folder, device=model.device, dtype=torch.float32)
-        tc = model.config.get_text_config()
-        drafter.config.check_target(tc.hidden_size, model.get_output_embeddings().weight.shape[0], tc.num_hidden_layers)
-        objective = DFlashObjective(drafter, model.get_input_embeddings(), model.get_output_embeddings())
+        drafter = DFlashDrafter.from_pretrained(folder, model)  # checked against the target
+        objective = DFlashObjective(drafter.model, drafter.embed, drafter.lm_head)
         for name, sequences in data.items():
             results = measure_acceptance(
                 objective, model, sequences, args.budgets, args.temperatures, args.anchors, args.batch_size,
