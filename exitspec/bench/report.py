@@ -32,12 +32,16 @@ PLOTS = ("tau_sr_vs_budget.png", "stages.png", "accepted_lengths.png")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One aggregate per cell of the spec rows, in the order the cells first appear."""
+    """One aggregate per cell of the spec rows, ordered by dataset, temperature, drafter, budget and verifier
+    (datasets, drafters and verifiers in the order they first appear, so re-measured rows keep their place)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
         if row["kind"] == "spec":
             groups[tuple(row[f] for f in CELL)].append(row)
-    return [{**dict(zip(CELL, key)), **aggregate(group)} for key, group in groups.items()]
+    rank = [{v: i for i, v in enumerate(dict.fromkeys(key[j] for key in groups))} for j in range(len(CELL))]
+    numeric = [f in ("temperature", "budget") for f in CELL]  # sorted by value, the others by first appearance
+    order = sorted(groups, key=lambda key: tuple(v if numeric[j] else rank[j][v] for j, v in enumerate(key)))
+    return [{**dict(zip(CELL, key)), **aggregate(groups[key])} for key in order]
 
 
 def aggregate(rows: list[dict]) -> dict:
