@@ -3,7 +3,7 @@
 # (scripts/exittrain-controls.sh): drafter {original, none, prefix, exit} x verifier {predraw, tev}
 # x B {32, 64} x temperature {0, 1} on held-out GSM8K test, HumanEval and MT-Bench prompts.
 #
-#   bash scripts/exittrain-crossed.sh      # both parts; each resumes where a killed run stopped
+#   bash scripts/exittrain-crossed.sh      # both parts; a rerun skips a written heldout.json, resumes the bench
 #
 # Part 1, exact τ without timing noise: `exitspec train eval` scores each drafter's inference DDTree at
 # anchors along the target's own responses; E[τ] = 1 + C_p is what every saturated verifier (predraw and
