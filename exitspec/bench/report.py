@@ -250,31 +250,42 @@ def _stage_rows(cells: list[dict], ar: dict) -> list[tuple[str, float, list[floa
 
 
 def _plot_budgets(cells: list[dict]):
-    """τ (top) and SR (bottom) against the budget, one column per dataset, one line per drafter/verifier/T."""
+    """τ (top) and SR (bottom) against the budget, one column per dataset, one line per drafter/verifier/T.
+
+    A series keeps its colour in every column, and one legend below the panels names all of them."""
     datasets = list(dict.fromkeys(c["dataset"] for c in cells))
     budgets = sorted({c["budget"] for c in cells})
-    fig, axes = plt.subplots(2, len(datasets), figsize=(4 * len(datasets), 6), squeeze=False, sharex=True)
+    names = list(dict.fromkeys(_series_name(c) for c in cells))
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors
+    colours = {name: palette[i % len(palette)] for i, name in enumerate(names)}
+    fig, axes = plt.subplots(2, len(datasets), figsize=(4 * len(datasets), 6.5), squeeze=False, sharex=True)
     if budgets[0] > 0:
         axes[0, 0].set_xscale("log", base=2)
     axes[0, 0].set_xticks(budgets, [str(b) for b in budgets])
     axes[0, 0].minorticks_off()
+    handles = {}
     for col, dataset in enumerate(datasets):
         series: dict[str, list] = defaultdict(list)
         for c in cells:
             if c["dataset"] == dataset:
-                name = f"{_drafter_name(c['drafter'])} · {c['verifier']} · T={c['temperature']:g}"
-                series[name].append((c["budget"], c["tau"], c["sr_ar"]))
+                series[_series_name(c)].append((c["budget"], c["tau"], c["sr_ar"]))
         for name, points in series.items():
             points.sort()
-            budgets = [p[0] for p in points]
-            axes[0, col].plot(budgets, [p[1] for p in points], marker="o", label=name)
-            axes[1, col].plot(budgets, [p[2] or 0 for p in points], marker="o", label=name)
+            xs = [p[0] for p in points]
+            style = {"marker": "o", "color": colours[name], "label": name}
+            handles[name] = axes[0, col].plot(xs, [p[1] for p in points], **style)[0]
+            axes[1, col].plot(xs, [p[2] or 0 for p in points], **style)
         axes[0, col].set_title(dataset)
         axes[1, col].set_xlabel("budget B (draft tokens per tree)")
     axes[0, 0].set_ylabel("τ (tokens per round)")
     axes[1, 0].set_ylabel("SR over autoregressive")
-    axes[0, -1].legend(fontsize="small")
+    fig.legend([handles[n] for n in names], names, loc="lower center", ncol=min(len(names), 4), fontsize="small")
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(names) - 1) // 4), 1, 1))
     return fig
+
+
+def _series_name(cell: dict) -> str:
+    return f"{_drafter_name(cell['drafter'])} · {cell['verifier']} · T={cell['temperature']:g}"
 
 
 def _plot_stages(cells: list[dict], ar: dict):
