@@ -256,8 +256,7 @@ def _plot_budgets(cells: list[dict]):
     datasets = list(dict.fromkeys(c["dataset"] for c in cells))
     budgets = sorted({c["budget"] for c in cells})
     names = list(dict.fromkeys(_series_name(c) for c in cells))
-    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors
-    colours = {name: palette[i % len(palette)] for i, name in enumerate(names)}
+    colours = _colours(names)
     fig, axes = plt.subplots(2, len(datasets), figsize=(4 * len(datasets), 6.5), squeeze=False, sharex=True)
     if budgets[0] > 0:
         axes[0, 0].set_xscale("log", base=2)
@@ -284,6 +283,12 @@ def _plot_budgets(cells: list[dict]):
     return fig
 
 
+def _colours(names: list[str]) -> dict[str, tuple]:
+    """One fixed colour per series name, so a series looks the same in every panel of a figure."""
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors
+    return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+
+
 def _series_name(cell: dict) -> str:
     return f"{_drafter_name(cell['drafter'])} · {cell['verifier']} · T={cell['temperature']:g}"
 
@@ -307,6 +312,7 @@ def _plot_stages(cells: list[dict], ar: dict):
 def _plot_accepted(cells: list[dict]):
     """Share of rounds by accepted draft tokens, one panel per temperature, one bar group per config."""
     labels = config_labels(cells)
+    colours = _colours(list(labels.values()))
     temperatures = sorted({c["temperature"] for c in cells})
     fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
     for ax, t in zip(axes[0], temperatures):
@@ -319,7 +325,7 @@ def _plot_accepted(cells: list[dict]):
             total = sum(hist.values()) or 1
             xs = sorted(hist)
             offset = (i - (len(hists) - 1) / 2) * width
-            ax.bar([x + offset for x in xs], [hist[x] / total for x in xs], width=width, label=label)
+            ax.bar([x + offset for x in xs], [hist[x] / total for x in xs], width=width, label=label, color=colours[label])
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(f"T = {t:g}")
         ax.set_xlabel("accepted draft tokens per round")
