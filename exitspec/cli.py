@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from exitspec.drafters import DRAFTER_HELP
 from exitspec.verify import DECIDERS
 
 
@@ -55,9 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the user message (sent through the chat template)")
     p.add_argument("--model", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None,
-                   help="'dflash' (the drafter shipped for the default model; the default there), 'ngram' (prompt "
-                   "lookup; the default for other models) or a DFlash checkpoint folder")
+    p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)

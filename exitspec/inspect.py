@@ -30,7 +30,7 @@ from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
 from exitspec.decode import RoundTrace, SpeculativeDecoder
-from exitspec.drafters import default_drafter, load_drafter
+from exitspec.drafters import DRAFTER_HELP, default_drafter, load_drafter
 from exitspec.flow import TreeFlow, tree_flow
 from exitspec.models import load_model_and_tokenizer
 from exitspec.sampling import SamplingParams
@@ -227,9 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the user message (chat template), or token ids with --ids")
     p.add_argument("--ids", action="store_true", help="the prompt is token ids separated by spaces or commas")
     p.add_argument("--model", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None,
-                   help="'dflash' (the drafter shipped for the default model; the default there), 'ngram' (prompt "
-                   "lookup; the default for other models) or a DFlash checkpoint folder")
+    p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     p.add_argument("--rounds", type=int, default=8, help="decoding rounds to inspect")
     p.add_argument("--budget", type=int, default=32, help="draft tokens per tree (B)")
     p.add_argument("--temperature", type=float, default=1.0, help="target warp (0 = greedy: one-hot exits)")

@@ -12,7 +12,7 @@ from tiny_models import save_tiny_llama
 
 from exitspec.bench import datasets
 from exitspec.bench.cli import main_bench
-from exitspec.bench.report import write_comparison
+from exitspec.bench.report import drafter_table, drafter_table_markdown, write_comparison
 from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, ChainDrafter, ResultsFile, speedup
 from exitspec.decode import STAGES, SpeculativeDecoder, encode_prompt
 from exitspec.drafters import NgramDrafter
@@ -97,6 +97,27 @@ def test_report_files(full_run):
     for name in ("tau_sr_vs_budget.png", "stages.png", "accepted_lengths.png"):
         image = matplotlib.image.imread(full_run / name)
         assert image.ndim == 3 and min(image.shape[:2]) > 100
+
+
+def test_drafter_table_crosses_drafters_with_settings():
+    """A row per drafter (a run's `final` folder named after its run), a column per (T, B, verifier), each value
+    the mean over datasets; a setting a drafter lacks stays empty."""
+    def cell(drafter, dataset, t, b, verifier, tau):
+        return {"drafter": drafter, "dataset": dataset, "temperature": t, "budget": b, "verifier": verifier,
+                "tau": tau, "sr_ar": tau / 4, "sr_hf": tau / 5}
+
+    cells = [cell("dflash", "gsm8k", 0.0, 32, "tev", 2.0), cell("dflash", "mtbench", 0.0, 32, "tev", 3.0),
+             cell("runs/x/exit/final", "gsm8k", 1.0, 64, "predraw", 1.5),
+             cell("runs/x/exit/final", "gsm8k", 0.0, 32, "tev", 2.4)]
+    table = drafter_table(cells)
+    assert table["columns"] == [{"temperature": 0.0, "budget": 32, "verifier": "tev"},
+                                {"temperature": 1.0, "budget": 64, "verifier": "predraw"}]
+    assert [r["drafter"] for r in table["rows"]] == ["dflash", "runs/x/exit/final"]
+    assert table["rows"][0]["values"] == [{"tau": 2.5, "sr_ar": 0.625, "sr_hf": 0.5}, None]
+    assert table["rows"][1]["values"][1] == {"tau": 1.5, "sr_ar": 0.375, "sr_hf": 0.3}
+    assert drafter_table_markdown(table) == [
+        "| drafter | T=0 B32 tev | T=1 B64 predraw |", "|---|---|---|",
+        "| dflash | 2.50 / 0.62× | - / - |", "| exit | 2.40 / 0.60× | 1.50 / 0.38× |"]
 
 
 def test_a_killed_run_resumes_to_the_same_rows(setup, full_run, monkeypatch, capsys):

@@ -353,8 +353,8 @@ def test_dflash_spec_names_the_shipped_drafter(tmp_path, monkeypatch, target):
     """'dflash' loads the drafter folder shipped in exitspec/assets, and says so when an install lacks it."""
     from exitspec import drafters
 
-    monkeypatch.setattr(drafters, "SHIPPED_DFLASH", tmp_path / "shipped")
-    with pytest.raises(ValueError, match="shipped DFlash drafter is missing"):
+    monkeypatch.setitem(drafters.SHIPPED, "dflash", tmp_path / "shipped")
+    with pytest.raises(ValueError, match="shipped drafter 'dflash' is missing"):
         drafters.load_drafter("dflash", target)
     DFlashModel.for_target(target.config, num_layers=1, block_size=BLOCK).save_pretrained(tmp_path / "shipped")
     drafter = drafters.load_drafter("dflash", target)
@@ -362,14 +362,26 @@ def test_dflash_spec_names_the_shipped_drafter(tmp_path, monkeypatch, target):
     assert drafters.drafter_folder("dflash") == tmp_path / "shipped" and drafters.drafter_folder("ngram") is None
 
 
-def test_the_shipped_drafter_fits_the_default_model_and_is_its_default():
-    """The committed drafter folder is safetensors of at most 40 MB, made for SmolLM2-135M-Instruct's sizes
-    (hidden 576, vocabulary 49152, 30 layers), and `generate` picks it for the default model only."""
+@pytest.mark.parametrize("name", ["dflash", "exittrain"])
+def test_the_shipped_drafters_fit_the_default_model(name):
+    """Each committed drafter folder is safetensors of at most 40 MB (plus, for a fine-tuning, a README with the
+    command that trained it), made for SmolLM2-135M-Instruct's sizes (hidden 576, vocabulary 49152, 30 layers);
+    `generate` picks dflash for the default model only."""
     from exitspec import drafters
 
-    folder = drafters.SHIPPED_DFLASH
+    folder = drafters.SHIPPED[name]
     files = sorted(p.name for p in folder.iterdir())
-    assert files == ["config.json", "model.safetensors"]
+    assert files == ["config.json", "model.safetensors"] + (["README.md"] if name == "exittrain" else [])
     assert (folder / "model.safetensors").stat().st_size <= 40 * 2**20
     DFlashConfig.load(folder).check_target(hidden_size=576, vocab_size=49152, num_layers=30)
     assert drafters.default_drafter(None) == "dflash" and drafters.default_drafter("some/llama") == "ngram"
+
+
+def test_exittrain_is_a_finetuning_of_the_shipped_dflash_drafter():
+    """exittrain has dflash's architecture and parameter names, with trained (changed) weights."""
+    from exitspec import drafters
+
+    a, b = (load_file(drafters.SHIPPED[n] / "model.safetensors") for n in ("dflash", "exittrain"))
+    assert DFlashConfig.load(drafters.SHIPPED["dflash"]) == DFlashConfig.load(drafters.SHIPPED["exittrain"])
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    assert any(not torch.equal(a[k], b[k]) for k in a)

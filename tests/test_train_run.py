@@ -104,6 +104,16 @@ def test_resume_refuses_another_configuration(setup):
         train(config(setup, "strict", steps=4, anchors=5), progress=False)
 
 
+def test_resume_ignores_exit_fields_only_while_no_exit_loss_is_on(setup):
+    """λ and the tree budget do nothing in a token-only run (weight none), so they may differ on resume; turning
+    the exit loss on for a run trained without it is refused."""
+    train(config(setup, "token-only", steps=2, exit_weight="none", lam=1.0), progress=False)
+    result = train(config(setup, "token-only", steps=3, exit_weight="none", lam=32.0, budget=8), progress=False)
+    assert result.summary["steps_this_run"] == 1
+    with pytest.raises(ValueError, match="exit_weight"):
+        train(config(setup, "token-only", steps=4, exit_weight="exit", lam=32.0), progress=False)
+
+
 def test_resume_accepts_the_same_target_layers(setup):
     """target_layers is a tuple in the config and a list in the saved JSON: the same value all the same."""
     train(config(setup, "layers", steps=2, target_layers=(1, 0)), progress=False)

@@ -25,7 +25,7 @@ from exitspec.bench import report, verifier
 from exitspec.bench.datasets import BUILTIN, load_dataset
 from exitspec.bench.presets import CUSTOM, PRESETS, VERIFIER_LATENCY, configs
 from exitspec.bench.runner import Plan, ResultsFile, Runner, environment, run_plan
-from exitspec.drafters import default_drafter
+from exitspec.drafters import DRAFTER_HELP, default_drafter
 from exitspec.verify import DECIDERS
 
 
@@ -44,8 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-prompts", type=int, metavar="N", help="the first N samples of each dataset (default: all)")
     s = p.add_argument_group("settings (a preset's values unless given)")
     s.add_argument("--drafters", nargs="+", metavar="SPEC",
-                   help="'dflash' (the drafter shipped for the default model; the default there), 'ngram' (the "
-                   "default for other models), DFlash checkpoint folders, or chain:SPEC for a drafter's best path")
+                   help=f"each one of: {DRAFTER_HELP}; or chain:SPEC for a drafter's best path")
     s.add_argument("--budgets", type=int, nargs="+", metavar="B", help="draft tokens per tree (default 32)")
     s.add_argument("--verifiers", nargs="+", choices=sorted(DECIDERS), metavar="NAME",
                    help=f"among {', '.join(sorted(DECIDERS))} (default tev)")

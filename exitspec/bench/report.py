@@ -98,6 +98,33 @@ def main_table(cells: list[dict]) -> dict:
     return {"columns": list(labels.values()), "rows": rows}
 
 
+def drafter_table(cells: list[dict]) -> dict:
+    """The crossed shape (table 4, ExitTrain against its controls): a row per drafter, a column per (temperature,
+    budget, verifier), each value the mean over datasets of the cells' τ, SR and SR_HF.
+
+    {"columns": [{"temperature", "budget", "verifier"}], "rows": [{"drafter", "values": [{tau, sr_ar, sr_hf}]}]}"""
+    by_key: dict[tuple, list[dict]] = defaultdict(list)
+    for c in cells:
+        by_key[(c["drafter"], c["temperature"], c["budget"], c["verifier"])].append(c)
+    columns = sorted({k[1:] for k in by_key})
+    rows = []
+    for drafter in dict.fromkeys(c["drafter"] for c in cells):
+        values = []
+        for column in columns:
+            group = by_key.get((drafter, *column), [])
+            values.append({k: _mean([c[k] for c in group]) for k in ("tau", "sr_ar", "sr_hf")} if group else None)
+        rows.append({"drafter": drafter, "values": values})
+    return {"columns": [dict(zip(("temperature", "budget", "verifier"), c)) for c in columns], "rows": rows}
+
+
+def drafter_table_markdown(table: dict) -> list[str]:
+    """drafter_table's Markdown lines: cells "τ / SR"."""
+    header = ["drafter"] + [f"T={c['temperature']:g} B{c['budget']} {c['verifier']}" for c in table["columns"]]
+    body = [[_drafter_name(r["drafter"])] + [f"{_num(v and v['tau'])} / {_num(v and v['sr_ar'], '×')}"
+                                             for v in r["values"]] for r in table["rows"]]
+    return _markdown_table(header, body)
+
+
 def write_report(results: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
     """report.md, report.json and the PNG plots of a results JSONL, in out_dir (default: beside it)."""
     results = Path(results)
@@ -113,7 +140,8 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> dict
     ar = _baseline_stages(data.rows)
     paths = {"markdown": out / "report.md", "json": out / "report.json"}
     paths["markdown"].write_text(_report_markdown(data.envs, table, cells, ar, results))
-    report = {"results": str(results), "env": data.envs, "table": table, "cells": cells, "autoregressive": ar}
+    report = {"results": str(results), "env": data.envs, "table": table, "drafter_table": drafter_table(cells),
+              "cells": cells, "autoregressive": ar}
     paths["json"].write_text(json.dumps(report, indent=2))
     figures = dict(zip(PLOTS, (_plot_budgets(cells), _plot_stages(cells, ar), _plot_accepted(cells))))
     for name, fig in figures.items():
@@ -195,7 +223,10 @@ def _report_markdown(envs: list[dict], table: dict, cells: list[dict], ar: dict,
     legend = ("τ: mean tokens per round (accepted + bonus). SR: speedup over exitspec's autoregressive loop on the "
               "same backend; SR_HF: over transformers' `model.generate`. Both: baseline seconds / speculative "
               "seconds per generated token, summed over the cell's prompts.")
-    lines += ["", legend, "", "## Details", ""]
+    lines += ["", legend, ""]
+    if len({c["drafter"] for c in cells}) > 1:
+        lines += ["## By drafter (τ / SR, means over datasets)", "", *drafter_table_markdown(drafter_table(cells)), ""]
+    lines += ["## Details", ""]
     header = ["Dataset", "T", "config", "prompts", "tokens", "τ", "mean C_p", "tok/s", "AR tok/s", "HF tok/s",
               "SR", "SR_HF", "= AR at T=0"]
     body = []
@@ -354,10 +385,12 @@ def _markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
 
 
 def _drafter_name(spec: str) -> str:
-    """"dflash", "ngram", a checkpoint folder's name, or "chain:" and one of those."""
+    """"dflash", "ngram", a checkpoint folder's name (its run's name for a run's `final` folder), or "chain:" and
+    one of those."""
     if spec.startswith("chain:"):
         return "chain:" + _drafter_name(spec[len("chain:") :])
-    return Path(spec).name
+    folder = Path(spec)
+    return folder.parent.name if folder.name == "final" and folder.parent.name else folder.name
 
 
 def _rate(tokens: int, seconds: float) -> float:

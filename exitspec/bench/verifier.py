@@ -240,8 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help="'dflash' (the shipped drafter; the default for the default "
-                   "model), a DFlash checkpoint folder, or 'oracle' (the target's own log-probs; default otherwise)")
+    p.add_argument("--drafter", default=None, help="'dflash' or 'exittrain' (shipped drafters; dflash is the default "
+                   "for the default model), a DFlash checkpoint folder, or 'oracle' (the target's own log-probs; "
+                   "default otherwise)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--synthetic", action="store_true", help="random trees and logits instead of the model")
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         hf_model, tokenizer = load_model_and_tokenizer(args.model, device, torch.float32)
         drafter = None if spec == "oracle" else load_drafter(spec, hf_model)
         if drafter is not None and not isinstance(drafter, DFlashDrafter):
-            p.error(f"--drafter {spec!r} gives no marginals: use 'oracle', 'dflash' or a DFlash checkpoint folder")
+            p.error(f"--drafter {spec!r} gives no marginals: use 'oracle', a shipped drafter or a checkpoint folder")
         target = TargetModel(hf_model, tokenizer, drafter.feature_layers if drafter else ())
         pairs = realised_pairs(target, args.budgets, args.prompts, args.depth, drafter)
         vocab = target.vocab_size

@@ -9,12 +9,22 @@ from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.ngram import NgramDrafter
 
 __all__ = [
-    "SHIPPED_DFLASH", "DFlashDrafter", "Drafter", "NgramDrafter", "default_drafter", "drafter_folder", "load_drafter"
+    "DRAFTER_HELP", "SHIPPED", "DFlashDrafter", "Drafter", "NgramDrafter", "default_drafter", "drafter_folder",
+    "load_drafter",
 ]
 
-# the DFlash drafter trained for the default model (SmolLM2-135M-Instruct); its training run, command and
-# record are in data/dflash-runs/smollm2-135m-instruct
-SHIPPED_DFLASH = Path(__file__).resolve().parent.parent / "assets" / "dflash-smollm2-135m-instruct"
+_ASSETS = Path(__file__).resolve().parent.parent / "assets"
+# the DFlash drafters shipped for the default model (SmolLM2-135M-Instruct), by spec name:
+#   dflash     trained from scratch on the target's rollouts; record in data/dflash-runs/smollm2-135m-instruct
+#   exittrain  dflash fine-tuned with the exit-weighted loss; record in data/exittrain-runs/smollm2-135m-instruct
+SHIPPED = {
+    "dflash": _ASSETS / "dflash-smollm2-135m-instruct",
+    "exittrain": _ASSETS / "exittrain-smollm2-135m-instruct",
+}
+DRAFTER_HELP = (
+    "'dflash' (the DFlash drafter shipped for the default model; the default there), 'exittrain' (dflash "
+    "fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models) or a DFlash checkpoint folder"
+)
 
 
 def default_drafter(model: str | Path | None) -> str:
@@ -23,21 +33,24 @@ def default_drafter(model: str | Path | None) -> str:
 
 
 def drafter_folder(spec: str | Path) -> Path | None:
-    """The checkpoint folder a drafter spec names: None for 'ngram', the shipped one for 'dflash'."""
+    """The checkpoint folder a drafter spec names: None for 'ngram', the shipped one for 'dflash' or 'exittrain'."""
     if str(spec) == "ngram":
         return None
-    if str(spec) == "dflash":
-        if not (SHIPPED_DFLASH / "config.json").is_file():
-            raise ValueError(f"the shipped DFlash drafter is missing from this install ({SHIPPED_DFLASH})")
-        return SHIPPED_DFLASH
+    if str(spec) in SHIPPED:
+        folder = SHIPPED[str(spec)]
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"the shipped drafter {str(spec)!r} is missing from this install ({folder})")
+        return folder
     folder = Path(spec)
     if not folder.is_dir():
-        raise ValueError(f"unknown drafter {str(spec)!r}: use 'dflash', 'ngram' or a DFlash checkpoint folder")
+        raise ValueError(
+            f"unknown drafter {str(spec)!r}: use {', '.join(map(repr, SHIPPED))}, 'ngram' or a DFlash checkpoint folder"
+        )
     return folder
 
 
 def load_drafter(spec: str | Path, target_hf_model) -> Drafter:
-    """'dflash' (the DFlash drafter shipped for the default model), 'ngram' (prompt lookup, training-free) or
-    a DFlash checkpoint folder for this target model."""
+    """A shipped drafter's name ('dflash', 'exittrain'), 'ngram' (prompt lookup, training-free) or a DFlash
+    checkpoint folder for this target model."""
     folder = drafter_folder(spec)
     return NgramDrafter() if folder is None else DFlashDrafter.from_pretrained(folder, target_hf_model)

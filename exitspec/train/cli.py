@@ -136,7 +136,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
         "E[τ] = 1 + C_p of each drafter's DDTrees at anchors along the target's own responses to benchmark prompts.",
     )
     p.add_argument("--drafters", nargs="+", default=["dflash"], metavar="SPEC",
-                   help="'dflash' (the shipped drafter) or DFlash checkpoint folders")
+                   help="shipped drafters ('dflash', 'exittrain') or DFlash checkpoint folders")
     p.add_argument("--target", help=f"target HF causal-LM folder (default: {DEFAULT_MODEL})")
     p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mtbench"], metavar="NAME",
                    help="benchmark sets (exitspec.bench.datasets); their first turns are the held-out prompts")

@@ -40,6 +40,8 @@ from exitspec.train.rollouts import Rollout, load_rollouts
 BETAS = (0.9, 0.95)
 # config fields a resumed run may change (the data itself is checked by its size)
 RESUMABLE_CHANGES = {"run_dir", "rollouts", "steps", "save_every", "log_every", "keep", "init"}
+# the exit loss's fields: inert, so free to differ, while neither the saved run nor this one uses the exit loss
+EXIT_FIELDS = {"exit_weight", "lam", "budget", "exclude_horizon_leaves"}
 
 
 @dataclass
@@ -334,9 +336,9 @@ def _check_resumable(state: dict, cfg: TrainConfig, sequences: int, path: Path) 
     saved = state["config"]
     defaults = {f.name: f.default for f in fields(TrainConfig)}  # runs saved before a field existed used its default
     current = json.loads(json.dumps(asdict(cfg)))  # as saved: tuples become lists
-    changed = sorted(
-        k for k, v in current.items() if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != v
-    )
+    was = ExitConfig(saved.get("exit_weight", defaults["exit_weight"]), saved.get("lam", defaults["lam"]))
+    free = RESUMABLE_CHANGES | (EXIT_FIELDS if not (was.active or cfg.exit_config().active) else set())
+    changed = sorted(k for k, v in current.items() if k not in free and saved.get(k, defaults[k]) != v)
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
         raise ValueError(f"cannot resume {path} with a different configuration ({detail}); use a new --run-dir")
