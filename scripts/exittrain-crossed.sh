@@ -15,8 +15,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPTS=${PROMPTS:-5}
 TOKENS=${TOKENS:-64}
-OUT=${OUT:-runs/exittrain/crossed}
-DRAFTERS=(dflash runs/exittrain/none/final runs/exittrain/prefix/final runs/exittrain/exit/final)
+OUT=${OUT:-data/exittrain-runs/smollm2-135m-instruct/crossed}  # tracked: a later session (a fresh machine) resumes it
+# the original, the two controls' final weights (committed) and ExitTrain's (shipped as exittrain)
+RUNS=data/exittrain-runs/smollm2-135m-instruct/drafters
+DRAFTERS=(dflash "$RUNS/none" "$RUNS/prefix" exittrain)
 mkdir -p "$OUT"
 [ -f "$OUT/heldout.json" ] || exitspec train eval --drafters "${DRAFTERS[@]}" --budgets 32 64 \
     --temperatures 0 1 --num-prompts 20 --anchors 16 --threads 2 --no-progress --out "$OUT/heldout.json"
