@@ -139,8 +139,9 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> dict
     table = main_table(cells)
     ar = _baseline_stages(data.rows)
     paths = {"markdown": out / "report.md", "json": out / "report.json"}
-    paths["markdown"].write_text(_report_markdown(data.envs, table, cells, ar, results))
-    report = {"results": str(results), "env": data.envs, "table": table, "drafter_table": drafter_table(cells),
+    crossed = drafter_table(cells)
+    paths["markdown"].write_text(_report_markdown(data.envs, table, crossed, cells, ar, results))
+    report = {"results": str(results), "env": data.envs, "table": table, "drafter_table": crossed,
               "cells": cells, "autoregressive": ar}
     paths["json"].write_text(json.dumps(report, indent=2))
     figures = dict(zip(PLOTS, (_plot_budgets(cells), _plot_stages(cells, ar), _plot_accepted(cells))))
@@ -216,7 +217,7 @@ def verifier_markdown(result: dict) -> str:
     return "\n".join(lines + _markdown_table(header, body)) + "\n"
 
 
-def _report_markdown(envs: list[dict], table: dict, cells: list[dict], ar: dict, results: Path) -> str:
+def _report_markdown(envs: list[dict], table: dict, crossed: dict, cells: list[dict], ar: dict, results: Path) -> str:
     labels = config_labels(cells)
     lines = ["# exitspec benchmark", "", f"Results: `{results}`", "", *_env_lines(envs), "", "## τ and SR", ""]
     lines += main_table_markdown(table)
@@ -224,8 +225,8 @@ def _report_markdown(envs: list[dict], table: dict, cells: list[dict], ar: dict,
               "same backend; SR_HF: over transformers' `model.generate`. Both: baseline seconds / speculative "
               "seconds per generated token, summed over the cell's prompts.")
     lines += ["", legend, ""]
-    if len({c["drafter"] for c in cells}) > 1:
-        lines += ["## By drafter (τ / SR, means over datasets)", "", *drafter_table_markdown(drafter_table(cells)), ""]
+    if len(crossed["rows"]) > 1:
+        lines += ["## By drafter (τ / SR, means over datasets)", "", *drafter_table_markdown(crossed), ""]
     lines += ["## Details", ""]
     header = ["Dataset", "T", "config", "prompts", "tokens", "τ", "mean C_p", "tok/s", "AR tok/s", "HF tok/s",
               "SR", "SR_HF", "= AR at T=0"]
