@@ -12,7 +12,13 @@ from tiny_models import save_tiny_llama
 
 from exitspec.bench import datasets
 from exitspec.bench.cli import main_bench
-from exitspec.bench.report import drafter_table, drafter_table_markdown, write_comparison
+from exitspec.bench.report import (
+    drafter_table,
+    drafter_table_markdown,
+    paired_tau,
+    paired_tau_markdown,
+    write_comparison,
+)
 from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, ChainDrafter, ResultsFile, speedup
 from exitspec.decode import STAGES, SpeculativeDecoder, encode_prompt
 from exitspec.drafters import NgramDrafter
@@ -118,6 +124,28 @@ def test_drafter_table_crosses_drafters_with_settings():
     assert drafter_table_markdown(table) == [
         "| drafter | T=0 B32 tev | T=1 B64 predraw |", "|---|---|---|",
         "| dflash | 2.50 / 0.62× | - / - |", "| exit | 2.40 / 0.60× | 1.50 / 0.38× |"]
+
+
+def test_paired_tau_pairs_the_last_drafter_with_each_other_one_by_prompt():
+    """τ differences are taken prompt by prompt, only over prompts both drafters ran in that setting."""
+    def row(drafter, prompt_id, tau, verifier="tev"):
+        return {"kind": "spec", "drafter": drafter, "dataset": "gsm8k", "prompt_id": prompt_id, "turn": 0,
+                "repeat": 0, "seed": 0, "temperature": 0.0, "budget": 32, "verifier": verifier, "tau": tau}
+
+    rows = [{"kind": "baseline"}, row("dflash", "0", 2.0), row("dflash", "1", 3.0), row("dflash", "2", 9.0),
+            row("none", "0", 2.5), row("none", "0", 1.0, "predraw"),
+            row("runs/x/exit/final", "0", 2.5), row("runs/x/exit/final", "1", 3.0)]
+    table = paired_tau(rows)
+    assert table["candidate"] == "runs/x/exit/final"
+    assert table["columns"] == [{"temperature": 0.0, "budget": 32, "verifier": "predraw"},
+                                {"temperature": 0.0, "budget": 32, "verifier": "tev"}]
+    dflash, none = table["rows"]
+    assert dflash["drafter"] == "dflash" and dflash["values"][0] is None
+    assert dflash["values"][1] == {"mean": 0.25, "pairs": 2, "stderr": pytest.approx(0.25)}
+    assert none["values"][1] == {"mean": 0.0, "pairs": 1, "stderr": None}
+    assert paired_tau_markdown(table) == [
+        "| minus | T=0 B32 predraw | T=0 B32 tev |", "|---|---|---|",
+        "| dflash | - | +0.250 ± 0.250 |", "| none | - | +0.000 ± - |"]
 
 
 def test_a_killed_run_resumes_to_the_same_rows(setup, full_run, monkeypatch, capsys):

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-prompts", type=int, metavar="N", help="the first N samples of each dataset (default: all)")
     s = p.add_argument_group("settings (a preset's values unless given)")
     s.add_argument("--drafters", nargs="+", metavar="SPEC",
-                   help=f"each one of: {DRAFTER_HELP}; or chain:SPEC for a drafter's best path")
+                   help=f"each one of: {DRAFTER_HELP}; or chain:SPEC for a drafter's best path. "
+                        "The report pairs the last one listed against each other one")
     s.add_argument("--budgets", type=int, nargs="+", metavar="B", help="draft tokens per tree (default 32)")
     s.add_argument("--verifiers", nargs="+", choices=sorted(DECIDERS), metavar="NAME",
                    help=f"among {', '.join(sorted(DECIDERS))} (default tev)")

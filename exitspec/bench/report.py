@@ -117,6 +117,42 @@ def drafter_table(cells: list[dict]) -> dict:
     return {"columns": [dict(zip(("temperature", "budget", "verifier"), c)) for c in columns], "rows": rows}
 
 
+def paired_tau(rows: list[dict]) -> dict:
+    """The last drafter listed (the candidate) against each other one, paired by prompt: per (temperature,
+    budget, verifier), the mean and standard error over prompts of τ_candidate − τ_other. Pairing removes the
+    spread between prompts that the per-cell means of drafter_table carry.
+
+    {"candidate", "columns": [{"temperature", "budget", "verifier"}], "rows": [{"drafter", "values":
+    [{"mean", "stderr", "pairs"} or None]}]}"""
+    tau: dict[tuple, dict[tuple, float]] = defaultdict(dict)  # (drafter, T, B, verifier) -> {prompt: τ}
+    for r in rows:
+        if r["kind"] == "spec":
+            prompt = (r["dataset"], r["prompt_id"], r["turn"], r["repeat"], r["seed"])
+            tau[(r["drafter"], r["temperature"], r["budget"], r["verifier"])][prompt] = r["tau"]
+    drafters = list(dict.fromkeys(key[0] for key in tau))
+    columns = sorted({key[1:] for key in tau})
+    table = {"candidate": drafters[-1] if drafters else None, "rows": [],
+             "columns": [dict(zip(("temperature", "budget", "verifier"), c)) for c in columns]}
+    for other in drafters[:-1]:
+        values = []
+        for column in columns:
+            mine, theirs = tau.get((drafters[-1], *column), {}), tau.get((other, *column), {})
+            diffs = [mine[p] - theirs[p] for p in mine.keys() & theirs.keys()]
+            values.append({"mean": statistics.mean(diffs), "pairs": len(diffs),
+                           "stderr": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None}
+                          if diffs else None)
+        table["rows"].append({"drafter": other, "values": values})
+    return table
+
+
+def paired_tau_markdown(table: dict) -> list[str]:
+    """paired_tau's Markdown lines: cells "mean ± standard error"."""
+    header = ["minus"] + [f"T={c['temperature']:g} B{c['budget']} {c['verifier']}" for c in table["columns"]]
+    body = [[_drafter_name(r["drafter"])] + ["-" if v is None else f"{v['mean']:+.3f} ± {_num(v['stderr'], '', 3)}"
+                                             for v in r["values"]] for r in table["rows"]]
+    return _markdown_table(header, body)
+
+
 def drafter_table_markdown(table: dict) -> list[str]:
     """drafter_table's Markdown lines: cells "τ / SR"."""
     header = ["drafter"] + [f"T={c['temperature']:g} B{c['budget']} {c['verifier']}" for c in table["columns"]]
@@ -139,10 +175,10 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> dict
     table = main_table(cells)
     ar = _baseline_stages(data.rows)
     paths = {"markdown": out / "report.md", "json": out / "report.json"}
-    crossed = drafter_table(cells)
-    paths["markdown"].write_text(_report_markdown(data.envs, table, crossed, cells, ar, results))
+    crossed, paired = drafter_table(cells), paired_tau(data.rows)
+    paths["markdown"].write_text(_report_markdown(data.envs, table, crossed, paired, cells, ar, results))
     report = {"results": str(results), "env": data.envs, "table": table, "drafter_table": crossed,
-              "cells": cells, "autoregressive": ar}
+              "paired_tau": paired, "cells": cells, "autoregressive": ar}
     paths["json"].write_text(json.dumps(report, indent=2))
     figures = dict(zip(PLOTS, (_plot_budgets(cells), _plot_stages(cells, ar), _plot_accepted(cells))))
     for name, fig in figures.items():
@@ -217,7 +253,8 @@ def verifier_markdown(result: dict) -> str:
     return "\n".join(lines + _markdown_table(header, body)) + "\n"
 
 
-def _report_markdown(envs: list[dict], table: dict, crossed: dict, cells: list[dict], ar: dict, results: Path) -> str:
+def _report_markdown(envs: list[dict], table: dict, crossed: dict, paired: dict, cells: list[dict], ar: dict,
+                     results: Path) -> str:
     labels = config_labels(cells)
     lines = ["# exitspec benchmark", "", f"Results: `{results}`", "", *_env_lines(envs), "", "## τ and SR", ""]
     lines += main_table_markdown(table)
@@ -227,6 +264,9 @@ def _report_markdown(envs: list[dict], table: dict, crossed: dict, cells: list[d
     lines += ["", legend, ""]
     if len(crossed["rows"]) > 1:
         lines += ["## By drafter (τ / SR, means over datasets)", "", *drafter_table_markdown(crossed), ""]
+        lines += [f"## Paired τ: {_drafter_name(paired['candidate'])} minus each other drafter", "",
+                  *paired_tau_markdown(paired), "",
+                  "Mean ± standard error over the prompts both drafters ran, the same prompt, seed and setting.", ""]
     lines += ["## Details", ""]
     header = ["Dataset", "T", "config", "prompts", "tokens", "τ", "mean C_p", "tok/s", "AR tok/s", "HF tok/s",
               "SR", "SR_HF", "= AR at T=0"]
