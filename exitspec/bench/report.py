@@ -28,6 +28,7 @@ from exitspec.decode import STAGES
 
 CELL = ("dataset", "temperature", "drafter", "budget", "verifier")
 CONFIG = ("drafter", "budget", "verifier")
+SETTING = ("temperature", "budget", "verifier")  # a column of the by-drafter tables
 PLOTS = ("tau_sr_vs_budget.png", "stages.png", "accepted_lengths.png")
 
 
@@ -114,7 +115,7 @@ def drafter_table(cells: list[dict]) -> dict:
             group = by_key.get((drafter, *column), [])
             values.append({k: _mean([c[k] for c in group]) for k in ("tau", "sr_ar", "sr_hf")} if group else None)
         rows.append({"drafter": drafter, "values": values})
-    return {"columns": [dict(zip(("temperature", "budget", "verifier"), c)) for c in columns], "rows": rows}
+    return {"columns": [dict(zip(SETTING, c)) for c in columns], "rows": rows}
 
 
 def paired_tau(rows: list[dict]) -> dict:
@@ -132,7 +133,7 @@ def paired_tau(rows: list[dict]) -> dict:
     drafters = list(dict.fromkeys(key[0] for key in tau))
     columns = sorted({key[1:] for key in tau})
     table = {"candidate": drafters[-1] if drafters else None, "rows": [],
-             "columns": [dict(zip(("temperature", "budget", "verifier"), c)) for c in columns]}
+             "columns": [dict(zip(SETTING, c)) for c in columns]}
     for other in drafters[:-1]:
         values = []
         for column in columns:
@@ -147,7 +148,7 @@ def paired_tau(rows: list[dict]) -> dict:
 
 def paired_tau_markdown(table: dict) -> list[str]:
     """paired_tau's Markdown lines: cells "mean ± standard error"."""
-    header = ["minus"] + [f"T={c['temperature']:g} B{c['budget']} {c['verifier']}" for c in table["columns"]]
+    header = ["minus"] + _setting_labels(table)
     body = [[_drafter_name(r["drafter"])] + ["-" if v is None else f"{v['mean']:+.3f} ± {_num(v['stderr'], '', 3)}"
                                              for v in r["values"]] for r in table["rows"]]
     return _markdown_table(header, body)
@@ -155,7 +156,7 @@ def paired_tau_markdown(table: dict) -> list[str]:
 
 def drafter_table_markdown(table: dict) -> list[str]:
     """drafter_table's Markdown lines: cells "τ / SR"."""
-    header = ["drafter"] + [f"T={c['temperature']:g} B{c['budget']} {c['verifier']}" for c in table["columns"]]
+    header = ["drafter"] + _setting_labels(table)
     body = [[_drafter_name(r["drafter"])] + [f"{_num(v and v['tau'])} / {_num(v and v['sr_ar'], '×')}"
                                              for v in r["values"]] for r in table["rows"]]
     return _markdown_table(header, body)
@@ -419,6 +420,11 @@ def _env_lines(envs: list[dict]) -> list[str]:
         f"- torch {e['torch']}, transformers {e['transformers']}, python {e['python']}",
         f"- sessions: {len(envs)}, first {e['created']}",
     ]
+
+
+def _setting_labels(table: dict) -> list[str]:
+    """Column headers "T=0 B32 tev" of drafter_table and paired_tau."""
+    return [f"T={c['temperature']:g} B{c['budget']} {c['verifier']}" for c in table["columns"]]
 
 
 def _markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
