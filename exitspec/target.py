@@ -8,15 +8,21 @@ the root of the next draft tree (DraftTree.tokens[0]). One round is
 
 after which the cache has grown by 1 + len(path) tokens and the bonus token becomes the next root.
 
-Tree attention goes through transformers' own attention with an additive float 4D mask
-[1, 1, N+1, cache_len+N+1], which transformers 5 passes to every layer untouched. The model must run
-sdpa or eager attention (flash-attention kernels ignore such masks) and have full-attention layers only
-(sliding-window layers would need the window folded into the mask and their own cache compaction).
+Two forwards do the work behind one small interface (reset, forward, keep, crop, kv):
+
+- `LeanLlama` (lean.py), for Llama-family models: a direct forward with a static KV cache, the default
+  wherever `lean.supports(model)`;
+- `TransformersForward`, for any other causal LM: the model's own forward with a DynamicCache and an
+  additive float 4D mask [1, 1, N+1, cache_len+N+1], which transformers 5 passes to every layer untouched.
+  The model must run sdpa or eager attention (flash-attention kernels ignore such masks) and have
+  full-attention layers only (sliding-window layers would need the window folded into the mask and their
+  own cache compaction). Its cache compaction is the one place that edits transformers' cache layers.
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import Literal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +31,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
+from exitspec.lean import LeanLlama, supports
 from exitspec.models import load_model_and_tokenizer
 from exitspec.tree import DraftTree
 
@@ -35,11 +42,74 @@ class TreeForward:
     features: Tensor | None  # [n, F] concatenated hidden states of the feature layers, None without any
 
 
+class TransformersForward:
+    """The model's own forward over a DynamicCache: the backend for architectures the lean forward lacks."""
+
+    def __init__(self, model: PreTrainedModel, feature_layers: tuple[int, ...]):
+        self.model, self.feature_layers = model, feature_layers
+        # transformers 5.24 renamed past_key_values to cache (the old name is deprecated); accept either.
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.reset()
+        kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
+        if kinds:
+            raise ValueError(f"only full-attention models are supported; this one has cache layers {sorted(kinds)}")
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.length = 0
+
+    def forward(
+        self, ids: Tensor, positions: Tensor, visible: Tensor | None, logits_to_keep: int = 0
+    ) -> tuple[Tensor, list[Tensor]]:
+        """As LeanLlama.forward: logits [r, V] and the feature taps [n, D] of ids [n] appended to the cache."""
+        mask = None
+        if visible is not None:
+            n, start = ids.numel(), self.length
+            dtype = self.model.dtype
+            mask = torch.zeros(n, start + n, dtype=dtype, device=ids.device)  # [n, L+n]
+            mask[:, start:].masked_fill_(~visible, torch.finfo(dtype).min)
+            mask = mask[None, None]  # [1, 1, n, L+n]
+        out = self.model(
+            input_ids=ids[None],
+            position_ids=positions[None],
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            output_hidden_states=bool(self.feature_layers),
+            **{self._cache_arg: self.cache},
+        )
+        self.length += ids.numel()
+        taps = [out.hidden_states[i + 1][0] for i in self.feature_layers] if self.feature_layers else []
+        return out.logits[0].float(), taps
+
+    def keep(self, start: int, slots: Tensor) -> None:
+        """Moves cache entries `slots` [m] to start..start+m-1 in every layer and drops everything after."""
+        m = slots.numel()
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                kv = getattr(layer, name)  # [1, H_kv, length, D]
+                kv[:, :, start : start + m] = kv.index_select(2, slots)
+                setattr(layer, name, kv[:, :, : start + m])
+        self.length = start + m
+
+    def crop(self, length: int) -> None:
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+        self.length = min(self.length, length)
+
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The cached keys and values of one layer, [Hkv, length, hd] each."""
+        entry = self.cache.layers[layer]
+        return entry.keys[0, :, : self.length], entry.values[0, :, : self.length]
+
+
 class TargetModel:
     """A causal LM plus the KV cache of one sequence (batch 1): prefill, tree verification, cache compaction.
 
     Features are taps of the residual stream: feature layer i is transformers' hidden_states[i+1], the output
     of decoder layer i (for the last layer transformers returns it after the final norm), concatenated.
+    `backend` is "lean" (LeanLlama), "transformers" or "auto" (lean where it supports the model).
     """
 
     def __init__(
@@ -47,6 +117,7 @@ class TargetModel:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None = None,
         feature_layers: tuple[int, ...] = (),
+        backend: Literal["auto", "lean", "transformers"] = "auto",
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -59,12 +130,11 @@ class TargetModel:
         attn = model.config._attn_implementation
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"tree attention needs 'sdpa' or 'eager' attention, the model uses {attn!r}")
-        # transformers 5.24 renamed past_key_values to cache (the old name is deprecated); accept either.
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        if backend not in ("auto", "lean", "transformers"):
+            raise ValueError(f"unknown target backend {backend!r}; choose auto, lean or transformers")
+        lean = backend == "lean" or (backend == "auto" and supports(model) is None)
+        self.backend = LeanLlama(model, self.feature_layers) if lean else TransformersForward(model, self.feature_layers)
         self.reset()
-        kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
-        if kinds:
-            raise ValueError(f"only full-attention models are supported; this one has cache layers {sorted(kinds)}")
 
     @classmethod
     def from_pretrained(
@@ -102,9 +172,14 @@ class TargetModel:
 
     def reset(self) -> None:
         """Empties the cache (a new sequence)."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.backend.reset()
         self._len = 0
         self._pending: DraftTree | None = None  # a tree whose K/V sit in the cache, awaiting commit
+
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Layer `layer`'s committed keys and values, [Hkv, cache_len, hd] each (for tests and diagnostics)."""
+        keys, values = self.backend.kv(layer)
+        return keys[:, : self._len], values[:, : self._len]
 
     @torch.inference_mode()
     def prefill(self, ids: Tensor) -> Tensor | None:
@@ -133,13 +208,8 @@ class TargetModel:
         tree.validate(self.vocab_size)
         self._check_room(tree.depth + 1, f"a tree of depth {tree.depth}")
         tree = tree.to(self.device)
-        n, L = tree.size, self._len
-        dtype = self.model.dtype
-        visible = torch.ones(n, L + n, dtype=torch.bool, device=self.device)  # [n, L+n]
-        visible[:, L:] = tree.visibility_mask()
-        mask = torch.zeros(n, L + n, dtype=dtype, device=self.device)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)
-        out = self._run(tree.tokens, tree.position_ids(L), mask[None, None], check="node")  # mask [1, 1, n, L+n]
+        visible = tree.visibility_mask() if tree.size > 1 else None  # [N+1, N+1]; one row needs no mask
+        out = self._run(tree.tokens, tree.position_ids(self._len), visible, check="node")
         self._pending = tree
         return out
 
@@ -155,18 +225,15 @@ class TargetModel:
         if tree.size != self._pending.size:
             raise ValueError(f"commit got a tree of {tree.size} nodes, but the pending tree has {self._pending.size}")
         path = [int(u) for u in path]
-        parents = tree.parents.tolist()
+        parents = tree.parent_list
         for prev, u in zip([0, *path], path):
             if not 0 < u < tree.size or parents[u] != prev:
                 raise ValueError(f"path {path} is not a root-to-node chain of the tree (at node {u})")
-        L, m = self._len, len(path)
-        src = torch.tensor(path, dtype=torch.long, device=self.device) + L  # cache slots of the path nodes
-        for layer in self.cache.layers:
-            for name in ("keys", "values"):
-                kv = getattr(layer, name)  # [1, H_kv, L+N+1, D]
-                kv[:, :, L + 1 : L + 1 + m] = kv.index_select(2, src)
-                setattr(layer, name, kv[:, :, : L + 1 + m])
-        self._len = L + 1 + m
+        L = self._len
+        if path != list(range(1, len(path) + 1)):  # a path already in slots L+1.. (a chain's prefix) stays put
+            self.backend.keep(L + 1, torch.tensor(path, dtype=torch.long, device=self.device) + L)
+        self.backend.crop(L + 1 + len(path))
+        self._len = L + 1 + len(path)
         self._pending = None
 
     def _forward_causal(self, ids: Tensor, logits_to_keep: int = 0, check: str | None = None) -> TreeForward:
@@ -179,38 +246,21 @@ class TargetModel:
         return out
 
     def _run(
-        self, ids: Tensor, pos: Tensor, mask: Tensor | None, logits_to_keep: int = 0, check: str | None = None
+        self, ids: Tensor, pos: Tensor, visible: Tensor | None, logits_to_keep: int = 0, check: str | None = None
     ) -> TreeForward:
-        """Forward of ids [n] at positions pos [n] with the cache; mask None means causal.
+        """Forward of ids [n] at positions pos [n] after the cache; visible [n, n] (None: causal).
 
         Logits are kept for the last `logits_to_keep` tokens (0: all). With `check` (what a row is called in
         the error), non-finite logits roll the cache back and raise.
         """
-        out = self.model(
-            input_ids=ids[None],
-            position_ids=pos[None],
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            output_hidden_states=bool(self.feature_layers),
-            **{self._cache_arg: self.cache},
-        )
-        logits = out.logits[0].float()  # [n, V], or [logits_to_keep, V]
+        logits, taps = self.backend.forward(ids, pos, visible, logits_to_keep)  # [n, V] float32, [n, D] each
         if check is not None:
             bad = ~torch.isfinite(logits).all(dim=-1)  # [n]
             if bool(bad.any()):
-                self._crop(self._len)
+                self.backend.crop(self._len)
                 raise ValueError(f"target produced non-finite logits at {check} {int(torch.nonzero(bad)[0])}")
-        features = None
-        if self.feature_layers:
-            features = torch.cat([out.hidden_states[i + 1][0] for i in self.feature_layers], dim=-1)  # [n, F]
+        features = torch.cat(taps, dim=-1) if taps else None  # [n, F]
         return TreeForward(logits, features)
-
-    def _crop(self, length: int) -> None:
-        """Cuts every layer of the cache back to `length` entries."""
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
     def _check_ids(self, ids: Tensor) -> Tensor:
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)

@@ -22,6 +22,11 @@ def model():
     return tiny_llama(V)
 
 
+@pytest.fixture(params=["lean", "transformers"])
+def backend(request):
+    return request.param
+
+
 def random_tree(rng: random.Random, root: int, max_depth: int = 5, max_branch: int = 4, max_nodes: int = 30):
     """A random tree, nodes listed in a random parents-first order, distinct sibling tokens."""
     parents, tokens, depths, children = [-1], [root], [0], [set()]
@@ -55,18 +60,20 @@ def assert_tree_logits(model, out, prefix: list[int], tree: DraftTree) -> None:
 def assert_cache_equals(target: TargetModel, model, ids: list[int]) -> None:
     ref = causal(model, ids).cache
     assert target.cache_len == len(ids)
-    for i, (mine, theirs) in enumerate(zip(target.cache.layers, ref.layers, strict=True)):
-        torch.testing.assert_close(mine.keys, theirs.keys, atol=ATOL, rtol=ATOL, msg=lambda m, i=i: f"keys {i}: {m}")
-        torch.testing.assert_close(mine.values, theirs.values, atol=ATOL, rtol=ATOL, msg=lambda m: f"values: {m}")
+    assert len(ref.layers) == model.config.num_hidden_layers
+    for i, theirs in enumerate(ref.layers):
+        keys, values = target.kv(i)  # [Hkv, L, hd]
+        torch.testing.assert_close(keys, theirs.keys[0], atol=ATOL, rtol=ATOL, msg=lambda m, i=i: f"keys {i}: {m}")
+        torch.testing.assert_close(values, theirs.values[0], atol=ATOL, rtol=ATOL, msg=lambda m: f"values: {m}")
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("seed", range(6))
-def test_tree_logits_match_causal_paths(attn, seed):
+def test_tree_logits_match_causal_paths(attn, seed, backend):
     model = tiny_llama(V)
     model.set_attn_implementation(attn)
     rng = random.Random(seed)
-    target = TargetModel(model)
+    target = TargetModel(model, backend=backend)
     prefix = [rng.randrange(V) for _ in range(rng.choice([0, 1, 7, 20]))]
     target.prefill(torch.tensor(prefix, dtype=torch.long))
     tree = random_tree(rng, root=rng.randrange(V))
@@ -76,9 +83,9 @@ def test_tree_logits_match_causal_paths(attn, seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_commit_compacts_cache_to_causal(model, seed):
+def test_commit_compacts_cache_to_causal(model, seed, backend):
     rng = random.Random(100 + seed)
-    target = TargetModel(model)
+    target = TargetModel(model, backend=backend)
     prefix = [rng.randrange(V) for _ in range(rng.randint(0, 12))]
     target.prefill(torch.tensor(prefix, dtype=torch.long))
     tree = random_tree(rng, root=rng.randrange(V), max_nodes=40)
@@ -92,9 +99,9 @@ def test_commit_compacts_cache_to_causal(model, seed):
     torch.testing.assert_close(logits[0], causal(model, committed + [bonus]).logits[0, -1], atol=ATOL, rtol=ATOL)
 
 
-def test_rounds_stay_consistent(model):
+def test_rounds_stay_consistent(model, backend):
     rng = random.Random(7)
-    target = TargetModel(model)
+    target = TargetModel(model, backend=backend)
     committed = [rng.randrange(V) for _ in range(5)]
     target.prefill(torch.tensor(committed))
     root = rng.randrange(V)
@@ -115,9 +122,9 @@ def test_rounds_stay_consistent(model):
     assert_cache_equals(target, model, committed[:3])
 
 
-def test_feature_taps_equal_hidden_states(model):
+def test_feature_taps_equal_hidden_states(model, backend):
     layers = (1, 0)
-    target = TargetModel(model, feature_layers=layers)
+    target = TargetModel(model, feature_layers=layers, backend=backend)
     assert target.feature_dim == 2 * model.config.hidden_size
     assert target.prefill(torch.tensor([], dtype=torch.long)).shape == (0, target.feature_dim)
     prefix = [3, 1, 4, 1, 5, 9]
@@ -137,11 +144,11 @@ def test_feature_taps_equal_hidden_states(model):
     committed = prefix + [2] + path_tokens(tree, tree.size - 1)
     step = target.forward_tokens(torch.tensor([6]))
     torch.testing.assert_close(step.features[0], taps(committed + [6])[-1], atol=ATOL, rtol=ATOL)
-    assert TargetModel(model).prefill(torch.tensor(prefix)) is None
+    assert TargetModel(model, backend=backend).prefill(torch.tensor(prefix)) is None
 
 
-def test_context_overflow(model):
-    target = TargetModel(model)
+def test_context_overflow(model, backend):
+    target = TargetModel(model, backend=backend)
     assert target.max_context == 128
     target.prefill(torch.zeros(125, dtype=torch.long))
     target.forward_tree(DraftTree.chain(1, [2, 3]))  # positions 125..127: just fits
@@ -153,7 +160,7 @@ def test_context_overflow(model):
     with pytest.raises(ValueError, match="exceeds the model's context of 128 tokens"):
         target.forward_tokens(torch.tensor([1]))
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        TargetModel(model).prefill(torch.zeros(129, dtype=torch.long))
+        TargetModel(model, backend=backend).prefill(torch.zeros(129, dtype=torch.long))
 
 
 def test_invalid_inputs(model):
@@ -183,16 +190,17 @@ def test_invalid_inputs(model):
         TargetModel(model, feature_layers=(2,))
 
 
-def test_non_finite_logits_are_reported_and_rolled_back():
+def test_non_finite_logits_are_reported_and_rolled_back(backend):
     model = tiny_llama(V)
-    target = TargetModel(model)
+    target = TargetModel(model, backend=backend)
     target.prefill(torch.tensor([1, 2, 3]))
     model.lm_head.weight[7, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite logits at node 0"):
         target.forward_tree(DraftTree.chain(1, [2]))
     with pytest.raises(ValueError, match="non-finite logits at token 0"):
         target.forward_tokens(torch.tensor([1, 2]))
-    assert target.cache_len == 3 and all(layer.keys.shape[2] == 3 for layer in target.cache.layers)
+    assert target.cache_len == 3 and target.backend.length == 3
+    torch.testing.assert_close(target.kv(1)[0], causal(model, [1, 2, 3]).cache.layers[1].keys[0])
 
 
 def test_load_saved_folder(tmp_path):

@@ -1,0 +1,193 @@
+"""A lean forward for Llama-family targets (Llama, SmolLM2, Mistral, Qwen2, Qwen3): the same maths as
+transformers' modelling code, written out for one sequence with a static, preallocated KV cache.
+
+Why: on a small CPU the transformers forward spends a fixed ~20 ms per call outside the weight products
+(module dispatch, cache objects, mask preparation, 4D broadcasting), about half of a one-token step of
+SmolLM2-135M. Here a layer is six library calls on [n, D] rows: RMSNorm, one fused QKV product, RoPE, one
+`scaled_dot_product_attention` over the cache, one fused gate/up product and the down product.
+
+    x [n, D] ─ rms_norm ─ W_qkv ─▶ q [H, n, hd], k, v [Hkv, n, hd] ─ (q/k norm) ─ RoPE ─▶ cache[L : L+n]
+    attention: the H query heads of one KV group are stacked as rows [Hkv, g·n, hd] against the group's keys
+    [Hkv, L+n, hd], so grouped-query attention needs no copy of K or V; the float mask [g·n, L+n] is 0 where
+    a row may look and -inf elsewhere (the tree's ancestor mask over the new tokens, all of the cache).
+
+The fused weights are built once by concatenation, and the transformers modules' weights become views
+into them, so the model is not held twice and `model.generate` keeps working on the same storage.
+`TargetModel` uses this path whenever `supports(model)` says yes; tests check its logits and hidden
+states against the transformers forward to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def supports(model: nn.Module) -> str | None:
+    """None when the lean forward reproduces `model`; otherwise why it does not (a short reason)."""
+    config = model.config.get_text_config(decoder=True)
+    if config.model_type not in LEAN_MODEL_TYPES:
+        return f"model type {config.model_type!r} (lean forward: {', '.join(LEAN_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        return "an MLP other than bias-free SwiGLU"
+    if getattr(config, "use_sliding_window", False) or (
+        config.model_type == "mistral" and getattr(config, "sliding_window", None)
+    ):
+        return "sliding-window attention"
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        return "tensor-parallel pretraining slices"
+    return None
+
+
+def _fuse(owner: nn.Module, name: str, linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """One weight [sum out, in] (and bias) for several Linear layers; each layer's weight becomes a view of it.
+
+    The pair is kept on `owner` as attribute `name`, so a second LeanLlama over the same model reuses it
+    (unless the model has since moved to another device or dtype, which gives its layers new storage).
+    """
+    fused = getattr(owner, name, None)
+    if fused is not None and fused[0].data_ptr() == linears[0].weight.data_ptr():
+        return fused
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else weight.new_zeros(lin.out_features)
+                          for b, lin in zip(biases, linears)])
+    start = 0
+    for lin in linears:
+        end = start + lin.out_features
+        lin.weight.data = weight[start:end]
+        if lin.bias is not None:
+            lin.bias.data = bias[start:end]
+        start = end
+    object.__setattr__(owner, name, (weight, bias))  # a plain attribute: not a parameter, not in state_dict
+    return weight, bias
+
+
+class LeanLayer:
+    """One decoder layer's weights, fused: W_qkv [(H + 2 Hkv)·hd, D], W_gate_up [2 I, D], the rest as is."""
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv_weight, self.qkv_bias = _fuse(attn, "_lean_qkv", [attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up_weight, _ = _fuse(mlp, "_lean_gate_up", [mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+
+
+def _rms(norm: nn.Module, x: Tensor) -> Tensor:
+    """transformers' RMSNorm (fp32 statistics, weight applied in the input dtype)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * norm.weight
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [heads, n, hd] rotated by cos, sin [n, hd] (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LeanLlama:
+    """Forward of a Llama-family causal LM for one sequence, with a KV cache of [layers, Hkv, capacity, hd]."""
+
+    def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()):
+        reason = supports(model)
+        if reason is not None:
+            raise ValueError(f"the lean forward does not support this model: {reason}")
+        config = model.config.get_text_config(decoder=True)
+        base = model.model
+        self.embed, self.final_norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self.lm_head = model.get_output_embeddings()
+        self.layers = [LeanLayer(layer) for layer in base.layers]
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.feature_layers = tuple(feature_layers)
+        self.last_layer = len(self.layers) - 1
+        weight = self.lm_head.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.keys = self.values = None  # [layers, Hkv, capacity, hd]
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def _reserve(self, end: int) -> None:
+        """Grows the cache (doubling, so appends cost amortised O(1)) to hold `end` entries."""
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if end <= capacity:
+            return
+        shape = (len(self.layers), self.kv_heads, max(end, 2 * capacity, 256), self.head_dim)
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.length:
+            keys[:, :, : self.length] = self.keys[:, :, : self.length]
+            values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values = keys, values
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: Tensor, positions: Tensor, visible: Tensor | None, logits_to_keep: int = 0
+    ) -> tuple[Tensor, list[Tensor]]:
+        """ids, positions [n]; visible [n, n] bool among the new tokens (None: causal). Their K/V go to slots
+        length..length+n. Returns logits [r, V] of the last r = logits_to_keep rows (0: all) and the feature
+        taps [n, D] each (layer i's output; the last layer's after the final norm, as transformers reports it).
+        """
+        n, start = ids.numel(), self.length
+        end = start + n
+        self._reserve(end)
+        groups = self.heads // self.kv_heads
+        x = self.embed(ids)  # [n, D]
+        cos, sin = self.rotary(x[None], positions[None])  # [1, n, hd]
+        cos, sin = cos[0], sin[0]
+        mask = None
+        if n > 1:
+            if visible is None:
+                visible = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+            mask = torch.zeros(n, end, dtype=x.dtype, device=ids.device)  # [n, L+n]
+            mask[:, start:].masked_fill_(~visible, float("-inf"))
+            mask = mask.repeat(groups, 1)  # [g·n, L+n], rows in the order of the stacked query heads
+        taps: dict[int, Tensor] = {}
+        hd, H, Hkv = self.head_dim, self.heads, self.kv_heads
+        for i, layer in enumerate(self.layers):
+            qkv = F.linear(_rms(layer.input_norm, x), layer.qkv_weight, layer.qkv_bias)  # [n, (H+2Hkv)·hd]
+            q, k, v = qkv.view(n, H + 2 * Hkv, hd).split((H, Hkv, Hkv), dim=1)
+            if layer.q_norm is not None:
+                q, k = _rms(layer.q_norm, q), _rms(layer.k_norm, k)
+            q = _rope(q.transpose(0, 1), cos, sin)  # [H, n, hd]
+            self.keys[i, :, start:end] = _rope(k.transpose(0, 1), cos, sin)
+            self.values[i, :, start:end] = v.transpose(0, 1)
+            q = q.reshape(Hkv, groups * n, hd)  # query heads h = j·g .. j·g+g-1 share KV head j
+            out = F.scaled_dot_product_attention(
+                q, self.keys[i, :, :end], self.values[i, :, :end], attn_mask=mask
+            )  # [Hkv, g·n, hd]
+            x = x + layer.o_proj(out.view(H, n, hd).transpose(0, 1).reshape(n, H * hd))
+            gate, up = F.linear(_rms(layer.post_norm, x), layer.gate_up_weight).chunk(2, dim=-1)  # [n, I] each
+            x = x + layer.down_proj(F.silu(gate) * up)
+            if i in self.feature_layers:
+                taps[i] = x
+        x = _rms(self.final_norm, x)
+        taps[self.last_layer] = x  # transformers reports the last layer after the final norm
+        self.length = end
+        rows = x[-logits_to_keep:] if logits_to_keep else x
+        return self.lm_head(rows).float(), [taps[i] for i in self.feature_layers]
+
+    def keep(self, start: int, slots: Tensor) -> None:
+        """Moves cache entries `slots` [m] to start..start+m-1 in every layer and drops everything after."""
+        m = slots.numel()
+        self.keys[:, :, start : start + m] = self.keys[:, :, slots]
+        self.values[:, :, start : start + m] = self.values[:, :, slots]
+        self.length = start + m
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The cached keys and values of one layer, [Hkv, length, hd] each (views)."""
+        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]

@@ -1,0 +1,86 @@
+"""The lean Llama-family forward equals transformers' forward (logits, feature taps, cache) to fp32 rounding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_target import ATOL, V, assert_tree_logits, random_tree
+from tiny_models import tiny_llama
+from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config, Qwen3Config
+
+from exitspec.lean import LeanLlama, supports
+from exitspec.target import TargetModel, TransformersForward
+
+SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, tie_word_embeddings=False)
+
+
+def tiny(config_cls, seed=0, **extra):
+    config = config_cls(**SHAPE, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).float().eval().requires_grad_(False)
+
+
+def models():
+    yield "llama", tiny_llama(V)
+    yield "llama-head-dim", tiny_llama(V, head_dim=16, rope_theta=500.0)  # head_dim != hidden / heads
+    yield "qwen2 (qkv bias)", tiny(Qwen2Config)
+    yield "qwen3 (q/k norm)", tiny(Qwen3Config, head_dim=8)
+
+
+@pytest.mark.parametrize("name,model", list(models()), ids=lambda x: x if isinstance(x, str) else "")
+def test_lean_matches_transformers(name, model):
+    if name.startswith("qwen2"):  # random biases, so that a dropped bias would show
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    assert supports(model) is None
+    rng = random.Random(0)
+    layers = (1, 0)
+    prefix = [rng.randrange(V) for _ in range(9)]
+    lean = TargetModel(model, feature_layers=layers, backend="lean")
+    reference = TargetModel(model, feature_layers=layers, backend="transformers")
+    assert isinstance(lean.backend, LeanLlama) and isinstance(reference.backend, TransformersForward)
+    for target in (lean, reference):
+        target.prefill(torch.tensor(prefix))
+    for k in range(3):
+        tree = random_tree(rng, root=rng.randrange(V))
+        out, ref = lean.forward_tree(tree), reference.forward_tree(tree)
+        assert_tree_logits(model, out, prefix, tree)
+        torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(out.features, ref.features, atol=ATOL, rtol=ATOL)
+        path = tree.path(rng.randrange(tree.size))
+        for target in (lean, reference):
+            target.commit(tree, path)
+        prefix += [int(tree.tokens[0])] + [int(tree.tokens[u]) for u in path]
+        for i in range(model.config.num_hidden_layers):
+            for mine, theirs in zip(lean.kv(i), reference.kv(i)):
+                torch.testing.assert_close(mine, theirs, atol=ATOL, rtol=ATOL)
+
+
+def test_fused_weights_are_shared_not_copied():
+    model = tiny_llama(V)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    before = model.generate(ids, max_new_tokens=6, do_sample=False)
+    first, second = LeanLlama(model), LeanLlama(model)
+    attn = model.model.layers[0].self_attn
+    fused = first.layers[0].qkv_weight
+    assert second.layers[0].qkv_weight is fused  # one fused copy per model, however many targets
+    assert attn.q_proj.weight.data_ptr() == fused.data_ptr()  # the module's weight is a view into it
+    assert attn.k_proj.weight.data_ptr() == fused[attn.q_proj.out_features :].data_ptr()
+    torch.testing.assert_close(model.generate(ids, max_new_tokens=6, do_sample=False), before, rtol=0, atol=0)
+
+
+def test_unsupported_models_use_transformers():
+    config = GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    config._attn_implementation = "sdpa"
+    gpt2 = AutoModelForCausalLM.from_config(config).eval()
+    assert "gpt2" in supports(gpt2)
+    assert isinstance(TargetModel(gpt2).backend, TransformersForward)
+    with pytest.raises(ValueError, match="lean forward does not support this model: model type 'gpt2'"):
+        TargetModel(gpt2, backend="lean")
+    with pytest.raises(ValueError, match="unknown target backend"):
+        TargetModel(tiny_llama(V), backend="fast")
