@@ -8,6 +8,8 @@ pops are the B best nodes and already form a tree listed parents-first.
   scored by their summed log-probabilities.
 - `build_trie`: candidates are the nodes of a trie of whole continuations (the n-gram drafter's), scored by
   the total weight of the continuations passing through them.
+- `merge_best_first`: the union of several such candidate trees (a model's and a copy source's), ranked by
+  calibrated estimates of each node's reach probability P(u), so the sources compete for one budget.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -29,7 +32,8 @@ def build_ddtree(log_marginals: Tensor, root_token: int, budget: int, top_k: int
     log_softmax, so raw logits and log-probabilities give the same tree. A prefix (x_1..x_d) scores
     sum_i logp[i-1, x_i]; only the top_k (default min(budget, V)) tokens of each row are candidates.
     -inf entries are allowed and never selected, so the tree can hold fewer than `budget` nodes. Nodes come
-    in pop order (descending score); ties go to the prefix pushed first.
+    in pop order (descending score); ties go to the prefix pushed first. The tree's `scores` are the
+    drafter's prefix probabilities exp(sum_i logp[i-1, x_i]).
     """
     if log_marginals.dim() != 2 or log_marginals.shape[0] == 0 or log_marginals.shape[1] == 0:
         raise ValueError(f"log_marginals must be [H, V] with H, V >= 1, got {tuple(log_marginals.shape)}")
@@ -48,7 +52,7 @@ def build_ddtree(log_marginals: Tensor, root_token: int, budget: int, top_k: int
         raise ValueError("log_marginals must not contain NaN or +inf, and every row needs a finite entry")
     step_logp, step_tokens = top_logp.tolist(), top_tokens.tolist()
 
-    parents, tokens, depths = [-1], [int(root_token)], [0]
+    parents, tokens, depths, scores = [-1], [int(root_token)], [0], [0.0]
     push_order = itertools.count()
     # heap entry: (-score, push order, depth d, rank r_d, parent node, parent score)
     heap = [(-step_logp[0][0], next(push_order), 1, 0, 0, 0.0)]
@@ -61,6 +65,7 @@ def build_ddtree(log_marginals: Tensor, root_token: int, budget: int, top_k: int
         parents.append(parent)
         tokens.append(step_tokens[d - 1][rank])
         depths.append(d)
+        scores.append(score)
         if rank + 1 < k:  # next sibling: (r_1..r_{d-1}, r_d + 1)
             sibling_score = parent_score + step_logp[d - 1][rank + 1]
             heapq.heappush(heap, (-sibling_score, next(push_order), d, rank + 1, parent, parent_score))
@@ -68,7 +73,7 @@ def build_ddtree(log_marginals: Tensor, root_token: int, budget: int, top_k: int
             child_score = score + step_logp[d][0]
             heapq.heappush(heap, (-child_score, next(push_order), d + 1, 0, node, score))
 
-    return _validated_tree(parents, tokens, depths, device)
+    return _validated_tree(parents, tokens, depths, device, [math.exp(x) for x in scores])
 
 
 def build_trie(
@@ -78,7 +83,8 @@ def build_trie(
 
     A node's score is the total weight of the continuations passing through it (duplicates add up), which
     never grows along a path since weights must be positive. Nodes come in pop order; ties go to the node
-    that reached the frontier first (siblings in order of first appearance in `continuations`).
+    that reached the frontier first (siblings in order of first appearance in `continuations`). The tree's
+    `scores` are each node's share of the total weight: the fraction of the evidence that agrees on its prefix.
     """
     if len(continuations) != len(weights):
         raise ValueError(f"got {len(continuations)} continuations but {len(weights)} weights")
@@ -103,7 +109,8 @@ def build_trie(
             node = children[node][token]
             trie_weights[node] += weight
 
-    parents, tokens, depths = [-1], [int(root_token)], [0]
+    parents, tokens, depths, scores = [-1], [int(root_token)], [0], [1.0]
+    total = sum(weights)
     # heap entry: (-score, push order, trie node, tree parent node)
     push_order = itertools.count()
     heap = [(-trie_weights[c], next(push_order), c, 0) for c in children[0].values()]
@@ -114,14 +121,57 @@ def build_trie(
         parents.append(parent)
         tokens.append(trie_tokens[trie_node])
         depths.append(depths[parent] + 1)
+        scores.append(trie_weights[trie_node] / total)
         for child in children[trie_node].values():
             heapq.heappush(heap, (-trie_weights[child], next(push_order), child, node))
 
-    return _validated_tree(parents, tokens, depths, device)
+    return _validated_tree(parents, tokens, depths, device, scores)
 
 
-def _validated_tree(parents: list[int], tokens: list[int], depths: list[int], device) -> DraftTree:
+def merge_best_first(
+    root_token: int, sources: Sequence[tuple[DraftTree, Sequence[float]]], budget: int, device=None
+) -> tuple[DraftTree, list[list[tuple[int, int]]]]:
+    """The `budget` best nodes of the union of several candidate trees under one root, ranked by estimate.
+
+    sources: (tree, estimates) pairs; estimates[u] is that source's estimate of node u's reach probability
+    P(u) (Eq. 2). A prefix proposed by several sources keeps the largest estimate, and an estimate is capped
+    by its parent's, so estimates never grow along a path. A stable sort by descending estimate then lists
+    every parent before its children: the first `budget` nodes are the best prefix-closed tree, best first
+    (its `scores`). Also returns, per node, the (source index, source node) pairs that proposed it.
+    """
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    index: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    parents, tokens, depths, estimates, origins = [-1], [int(root_token)], [0], [1.0], [[]]
+    for s, (tree, node_estimates) in enumerate(sources):
+        if int(tree.tokens[0]) != int(root_token):
+            raise ValueError(f"source {s} is rooted at token {int(tree.tokens[0])}, not {root_token}")
+        merged = [0] * tree.size  # source node -> merged node
+        for u, (p, tok) in enumerate(zip(tree.parent_list[1:], tree.tokens[1:].tolist()), start=1):
+            key = (merged[p], tok)
+            if key not in index:
+                index[key] = len(parents)
+                parents.append(merged[p]), tokens.append(tok), depths.append(depths[merged[p]] + 1)
+                estimates.append(0.0), origins.append([])
+            m = merged[u] = index[key]
+            estimates[m] = max(estimates[m], float(node_estimates[u]))
+            origins[m].append((s, u))
+    for m in range(1, len(parents)):  # parents come first, so their estimates are final when read
+        estimates[m] = min(estimates[m], estimates[parents[m]])
+    order = [0, *sorted(range(1, len(parents)), key=lambda m: -estimates[m])[:budget]]
+    position = {m: i for i, m in enumerate(order)}
+    tree = _validated_tree(
+        [-1] + [position[parents[m]] for m in order[1:]], [tokens[m] for m in order],
+        [depths[m] for m in order], device, [estimates[m] for m in order],
+    )
+    return tree, [origins[m] for m in order]
+
+
+def _validated_tree(parents: list[int], tokens: list[int], depths: list[int], device, scores=None) -> DraftTree:
     """Validates the tree on the CPU, then moves it to `device` in one copy per tensor."""
-    tree = DraftTree(*(torch.tensor(x, dtype=torch.long) for x in (parents, tokens, depths)))
+    tree = DraftTree(
+        *(torch.tensor(x, dtype=torch.long) for x in (parents, tokens, depths)),
+        None if scores is None else tuple(scores),
+    )
     tree.validate()
     return tree.to(device)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from exitspec.budget import AutoBudget, CostModel, budget_cap, parse_budget
 from exitspec.drafters import Drafter, default_drafter, load_drafter
 from exitspec.flow import tree_flow
 from exitspec.models import load_model_and_tokenizer
@@ -40,6 +41,7 @@ class StageTimer:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.seconds: dict[str, float] = defaultdict(float)
+        self.last: dict[str, float] = defaultdict(float)  # each stage's latest interval
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -51,7 +53,8 @@ class StageTimer:
         start = time.perf_counter()
         yield
         self._sync()
-        self.seconds[stage] += time.perf_counter() - start
+        self.last[stage] = time.perf_counter() - start
+        self.seconds[stage] += self.last[stage]
 
 
 @dataclass
@@ -102,6 +105,7 @@ class GenerationResult:
             "rounds": len(self.rounds),
             "tau": self.tau,
             "mean_coverage": self.mean_coverage,
+            "tree_sizes": [r.tree_size for r in self.rounds],
             "accepted_lengths": [r.accepted for r in self.rounds],
             "coverage_per_round": [r.coverage for r in self.rounds],
             "tokens_per_second": self.tokens_per_second,
@@ -198,6 +202,13 @@ class SpeculativeDecoder:
                 f"{list(target.feature_layers)}; build the target with feature_layers=drafter.feature_layers"
             )
         self.target, self.drafter = target, drafter
+        self._auto: dict[int, AutoBudget] = {}  # per cap: `--budget auto`'s cost model and running rates
+
+    def auto_budget(self, cap: int) -> AutoBudget:
+        """`--budget auto:cap`'s state, its cost model measured (or read from the cache) on first use."""
+        if cap not in self._auto:
+            self._auto[cap] = AutoBudget(CostModel.cached(self.target, cap), cap)
+        return self._auto[cap]
 
     @classmethod
     def from_pretrained(
@@ -220,7 +231,7 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        budget: int = 32,
+        budget: int | str = "auto",
         verifier: str = "tev",
         seed: int = 0,
         stop_tokens: Iterable[int] | None = None,
@@ -230,11 +241,14 @@ class SpeculativeDecoder:
         on_round: Callable[[RoundTrace], None] | None = None,
     ) -> GenerationResult:
         """Generates up to max_new_tokens (and at most max_rounds rounds); the output has exactly the (warped)
-        target distribution. `on_round` sees every round's tree, target distribution and verdict."""
+        target distribution. `budget` is B (at most B draft tokens per tree, always filled if the drafter can),
+        "auto" or "auto:B" (each round the tree size up to B, default 32, with the most expected tokens per
+        second; see budget.py). `on_round` sees every round's tree, target distribution and verdict."""
         params = SamplingParams(temperature, top_k, top_p)
         check_verifier(verifier, params)
-        if budget < 0:
-            raise ValueError(f"budget must be >= 0 draft tokens per round, got {budget}")
+        budget = parse_budget(budget)
+        cap = budget_cap(budget)
+        auto = self.auto_budget(cap) if isinstance(budget, str) and cap > 0 else None  # measured before timing
         target, drafter = self.target, self.drafter
         run, prompt_ids, timer, start = _start_run(target, prompt, max_new_tokens, stop_tokens, stream, chat)
 
@@ -251,32 +265,43 @@ class SpeculativeDecoder:
                 break
             max_depth = min(run.max_new_tokens - len(run.tokens) - 1, room - 1)
             root = context[-1]
-            if budget > 0 and max_depth > 0:
+            cheap = auto is not None and auto.cheap_round()
+            timer.last.clear()
+            if cap > 0 and max_depth > 0:
                 with timer("draft"):
-                    proposal = drafter.propose(torch.tensor(context, device=target.device), max_depth)
+                    proposal = drafter.propose(torch.tensor(context, device=target.device), max_depth, cheap=cheap)
                 with timer("build"):
-                    tree = drafter.build(proposal, root, budget)
-                if tree.num_nodes > budget or tree.depth > max_depth or int(tree.tokens[0]) != root:
-                    raise RuntimeError(
-                        f"drafter returned a tree of {tree.num_nodes} nodes, depth {tree.depth}, root "
-                        f"{int(tree.tokens[0])}; expected at most {budget} nodes, depth {max_depth}, root {root}"
-                    )
+                    tree = drafter.build(proposal, root, cap)
+                    if tree.num_nodes > cap or tree.depth > max_depth or int(tree.tokens[0]) != root:
+                        raise RuntimeError(
+                            f"drafter returned a tree of {tree.num_nodes} nodes, depth {tree.depth}, root "
+                            f"{int(tree.tokens[0])}; expected at most {cap} nodes, depth {max_depth}, root {root}"
+                        )
+                    if auto is not None:
+                        tree = auto.choose(tree, cheap)
             else:
                 tree = DraftTree.root_only(root, device=target.device)
             with timer("target"):
                 forward = target.forward_tree(tree)
             with timer("verify"):
                 probs = target_probs(forward.logits, params)  # [N+1, V]
-                verdict = DECIDERS[verifier](tree, probs, generator)
+                flow = tree_flow(tree, probs)  # P, rho, w (Eqs. 1–5) of the tree just verified
+                verdict = DECIDERS[verifier](tree, probs, generator, flow)
             with timer("commit"):
                 target.commit(tree, verdict.path)
                 kept = [0, *verdict.path]
                 committed = forward.features[kept] if forward.features is not None else None
                 drafter.commit(tree.tokens[kept], committed)
+            coverage = float(flow.coverage)
+            if tree.num_nodes:
+                drafter.observe(tree, flow.reach)
+            if auto is not None:
+                stage = timer.last
+                auto.record(cheap, tree.num_nodes, stage["draft"] + stage["build"],
+                            stage["target"] + stage["verify"] + stage["commit"], coverage)
             block = verdict.output_tokens(tree)
             emitted = run.emit(block)
             context.extend(block)
-            coverage = float(tree_flow(tree, probs).coverage)
             rounds.append(RoundStats(tree.num_nodes, len(verdict.path), emitted, coverage))
             if on_round is not None:
                 on_round(RoundTrace(tree, probs, verdict, emitted))

@@ -176,6 +176,14 @@ class TargetModel:
         self._len = 0
         self._pending: DraftTree | None = None  # a tree whose K/V sit in the cache, awaiting commit
 
+    def truncate(self, length: int) -> None:
+        """Drops the committed tokens after the first `length` (a rollback; a pending tree must be committed)."""
+        self._check_idle()
+        if not 0 <= length <= self._len:
+            raise ValueError(f"cannot truncate a cache of {self._len} tokens to {length}")
+        self.backend.crop(length)
+        self._len = length
+
     def kv(self, layer: int) -> tuple[Tensor, Tensor]:
         """Layer `layer`'s committed keys and values, [Hkv, cache_len, hd] each (for tests and diagnostics)."""
         keys, values = self.backend.kv(layer)

@@ -27,6 +27,9 @@ class DraftTree:
     parents: Tensor  # [N+1] int64, parents[0] = -1
     tokens: Tensor  # [N+1] int64, tokens[0] = root (last committed) token
     depths: Tensor  # [N+1] int64, depths[0] = 0
+    # The builder's estimate of each node's reach probability P(u) (1.0 at the root), when it has one. Builders
+    # list nodes best first, so scores never increase along the list and every prefix of it is a tree (`head`).
+    scores: tuple[float, ...] | None = None
 
     @classmethod
     def from_parents(cls, parents, tokens, vocab_size: int | None = None) -> DraftTree:
@@ -98,7 +101,16 @@ class DraftTree:
         """The tree on `device`; the same object (with its cached masks) when it is already there."""
         if device is None or self.parents.device == torch.device(device):
             return self
-        return DraftTree(self.parents.to(device), self.tokens.to(device), self.depths.to(device))
+        return DraftTree(self.parents.to(device), self.tokens.to(device), self.depths.to(device), self.scores)
+
+    def head(self, size: int) -> DraftTree:
+        """The first `size` nodes (root included): a tree, since every parent comes before its children."""
+        if size >= self.size:
+            return self
+        if size < 1:
+            raise ValueError(f"a tree keeps at least its root, got size {size}")
+        scores = None if self.scores is None else self.scores[:size]
+        return DraftTree(self.parents[:size], self.tokens[:size], self.depths[:size], scores)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises InvalidTreeError unless the tree is rooted, ordered, prefix-closed and has distinct siblings."""
@@ -106,6 +118,8 @@ class DraftTree:
             raise InvalidTreeError("parents, tokens and depths must be 1-D tensors of one length")
         if self.parents.numel() == 0:
             raise InvalidTreeError("a tree needs a root")
+        if self.scores is not None and len(self.scores) != self.parents.numel():
+            raise InvalidTreeError(f"{len(self.scores)} scores for a tree of {self.parents.numel()} nodes")
         _check_parent_order(self.parents)
         parents, tokens, depths = (t.cpu() for t in (self.parents, self.tokens, self.depths))
         if int(depths[0]) != 0:

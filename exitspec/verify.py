@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from exitspec.flow import node_residual, tree_flow
+from exitspec.flow import TreeFlow, node_residual, tree_flow
 from exitspec.sampling import SamplingParams, sample_rows, target_probs
 from exitspec.tree import DraftTree
 
@@ -42,12 +42,12 @@ class Verdict:
         return tree.tokens[self.path].tolist() + [self.bonus] if self.path else [self.bonus]
 
 
-def decide_greedy(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None) -> Verdict:
+def decide_greedy(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None, flow=None) -> Verdict:
     """Temperature 0: the target token at each node is argmax p_v; follow it while the tree has it."""
     return _follow(tree, probs.argmax(dim=-1))
 
 
-def decide_predraw(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None) -> Verdict:
+def decide_predraw(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None, flow=None) -> Verdict:
     """Predraw-and-follow (DDTree): one target draw per node [N+1], then follow matching children."""
     draws = sample_rows(probs, generator)  # [N+1]
     return _follow(tree, draws)
@@ -57,6 +57,7 @@ def decide_sequential(
     tree: DraftTree,
     probs: Tensor,
     generator: torch.Generator | None = None,
+    flow: TreeFlow | None = None,
     child_order: Callable[[list[int]], Sequence[int]] | None = None,
 ) -> Verdict:
     """Sequential residual (EAGLE-style), children tested in `child_order` (default: tree order).
@@ -83,14 +84,17 @@ def decide_sequential(
         return Verdict(path, int(sample_rows(residual, generator)))
 
 
-def decide_tev(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None) -> Verdict:
+def decide_tev(
+    tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None, flow: TreeFlow | None = None
+) -> Verdict:
     """Tree Exit Verification: v ~ w (level-parallel exit law), then bonus ~ residual(v).
 
     rho(v) = 1 − Σ children's edge probabilities is computed from O(N) gathered entries; only the exit node's
-    residual row [V] is ever formed. If rounding made w(v) > 0 at a node whose residual is empty (rho(v) is
-    truly 0), that node is removed and the exit redrawn, which is the exact law.
+    residual row [V] is ever formed. `flow`, when given, is this tree's tree_flow, already computed by the
+    caller. If rounding made w(v) > 0 at a node whose residual is empty (rho(v) is truly 0), that node is
+    removed and the exit redrawn, which is the exact law.
     """
-    exit_mass = tree_flow(tree, probs).exit.clone()  # [N+1]
+    exit_mass = (flow or tree_flow(tree, probs)).exit.clone()  # [N+1]
     while True:
         node = int(sample_rows(exit_mass, generator))
         residual = node_residual(tree, probs, node)  # [V]

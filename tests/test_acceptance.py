@@ -37,8 +37,10 @@ def sequences(lengths: list[int], prompt: int = 5) -> list[Rollout]:
 
 
 def inference_taus(model, drafter_model, rollout: Rollout, temperature: float) -> list[float]:
-    """1 + C_p of the tree that generate() builds and verifies after each response prefix (every anchor)."""
-    drafter = DFlashDrafter(drafter_model, model.get_input_embeddings(), model.get_output_embeddings())
+    """1 + C_p of the tree that generate() builds and verifies after each response prefix (every anchor), from
+    the drafter's model source alone (train eval scores the drafter, not the copy candidates beside it)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    drafter = DFlashDrafter(drafter_model, embed, head, copy_source=False)
     target = TargetModel(model, None, drafter.feature_layers)
     ids = torch.tensor(rollout.prompt_ids + rollout.response_ids)
     taus = []

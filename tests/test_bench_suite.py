@@ -70,7 +70,7 @@ def test_result_rows_have_every_field(full_run):
             assert ar["tokens"] == hf["tokens"]  # our AR loop is transformers' greedy decoding
     for r in specs:
         expected = {"kind", *SPEC_KEY, "prompt_tokens", "prompt_sha", "tokens", "new_tokens", "rounds", "tau",
-                    "mean_coverage", "accepted_lengths", "tokens_per_second", "prefill_seconds", "total_seconds",
+                    "mean_coverage", "tree_sizes", "accepted_lengths", "tokens_per_second", "prefill_seconds", "total_seconds",
                     "stage_seconds", "stopped_by", "sr_ar", "sr_hf", "ar_seconds", "ar_tokens", "hf_seconds",
                     "hf_tokens", "matches_ar"}
         assert set(r) == expected

@@ -4,6 +4,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
+from exitspec.budget import CostModel, budget_cap, parse_budget
 from exitspec.build import build_ddtree
 from exitspec.check import g_test_pvalue
 from exitspec.decode import SpeculativeDecoder, generate_autoregressive
@@ -28,11 +29,14 @@ class RandomTreeDrafter:
     def begin(self, prompt_ids, features):
         pass
 
-    def propose(self, context_ids, max_depth):
+    def propose(self, context_ids, max_depth, cheap=False):
         return 2.0 * torch.randn(max_depth, self.vocab, generator=self.gen)  # [H, V]
 
     def build(self, proposal, root_token, budget):
         return build_ddtree(proposal, root_token, budget)
+
+    def observe(self, tree, reach):
+        pass
 
     def commit(self, committed_ids, features):
         pass
@@ -62,14 +66,16 @@ def first_tokens_counts(model):
     """verifier → counts [V, V, V] of the first 3 tokens over DRAWS seeded speculative runs at temperature 1."""
     cache = {}
 
-    def counts(verifier: str) -> torch.Tensor:
-        if verifier not in cache:
+    def counts(verifier: str, budget: int | str = 6) -> torch.Tensor:
+        if (verifier, budget) not in cache:
             decoder = SpeculativeDecoder(TargetModel(model), RandomTreeDrafter(VOCAB, seed=1))
-            cache[verifier] = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
+            if isinstance(budget, str):
+                varied_cost(decoder, budget_cap(parse_budget(budget)))
+            counts = cache[verifier, budget] = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
             for seed in range(DRAWS):
-                out = decoder.generate(PROMPT, 3, 1.0, budget=6, verifier=verifier, seed=seed, stop_tokens=())
-                cache[verifier][tuple(out.tokens)] += 1
-        return cache[verifier]
+                out = decoder.generate(PROMPT, 3, 1.0, budget=budget, verifier=verifier, seed=seed, stop_tokens=())
+                counts[tuple(out.tokens)] += 1
+        return cache[verifier, budget]
 
     return counts
 
@@ -79,21 +85,36 @@ def test_first_three_tokens_follow_the_target_law(model, first_tokens_counts, ve
     assert g_test_pvalue(first_tokens_counts(verifier), exact_first_tokens_law(model, PROMPT)) > 1e-3
 
 
+@pytest.mark.parametrize("verifier", ["predraw", "tev"])
+def test_auto_budget_keeps_the_target_law(model, first_tokens_counts, verifier):
+    """Tree sizes chosen from the drafter's calibrated scores and past rounds leave the output law exact."""
+    assert g_test_pvalue(first_tokens_counts(verifier, "auto:6"), exact_first_tokens_law(model, PROMPT)) > 1e-3
+
+
 def test_wrong_target_law_is_detected(first_tokens_counts):
     """The same counts against a different model's law must fail: the check has power."""
     other = tiny_llama(vocab_size=VOCAB, seed=4)
     assert g_test_pvalue(first_tokens_counts("tev"), exact_first_tokens_law(other, PROMPT)) < 1e-3
 
 
+def varied_cost(decoder: SpeculativeDecoder, cap: int) -> None:
+    """A cost model under which the best tree size depends on the drafter's scores (the tiny model's own
+    timings are flat in N, so `auto` would always fill the cap): each node costs a tenth of a step."""
+    decoder.auto_budget(cap).cost = CostModel([0, cap], [1.0, 1.0 + 0.1 * cap])
+
+
 @pytest.mark.parametrize("verifier", ["greedy", "predraw", "sequential", "tev"])
-@pytest.mark.parametrize("budget", [0, 1, 8, 32])
+@pytest.mark.parametrize("budget", [0, 1, 8, 32, "auto", "auto:8"])
 def test_greedy_equals_transformers_generate(model, verifier, budget):
     expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)
+    cap = budget_cap(parse_budget(budget))
     for drafter in (RandomTreeDrafter(VOCAB), NgramDrafter()):
         decoder = SpeculativeDecoder(TargetModel(model), drafter)
+        if isinstance(budget, str):
+            varied_cost(decoder, cap)
         out = decoder.generate(PROMPT, 40, temperature=0.0, budget=budget, verifier=verifier, stop_tokens=())
         assert out.tokens == expected[0, len(PROMPT) :].tolist()
-        assert all(r.tree_size <= budget for r in out.rounds)
+        assert all(r.tree_size <= cap for r in out.rounds)
 
 
 @pytest.mark.parametrize("verifier", ["greedy", "tev"])
@@ -107,6 +128,9 @@ def test_greedy_with_a_dflash_drafter_equals_generate(model, verifier):
     out = decoder.generate(PROMPT, 40, temperature=0.0, budget=8, verifier=verifier, stop_tokens=())
     assert out.tokens == expected[0, len(PROMPT) :].tolist()
     assert max(r.tree_size for r in out.rounds) == 8
+    varied_cost(decoder, 8)
+    auto = decoder.generate(PROMPT, 40, temperature=0.0, budget="auto:8", verifier=verifier, stop_tokens=())
+    assert auto.tokens == out.tokens and auto.summary()["tree_sizes"] == [r.tree_size for r in auto.rounds]
 
 
 def test_autoregressive_baseline_equals_generate(model):
@@ -147,6 +171,8 @@ def test_bad_input_gets_clear_errors(model):
     decoder = SpeculativeDecoder(TargetModel(model), RandomTreeDrafter(VOCAB))
     with pytest.raises(ValueError, match="budget must be >= 0"):
         decoder.generate(PROMPT, 5, budget=-1)
+    with pytest.raises(ValueError, match="budget must be a number of draft tokens, 'auto' or 'auto:B'"):
+        decoder.generate(PROMPT, 5, budget="fast")
     with pytest.raises(ValueError, match="prompt is empty"):
         decoder.generate([], 5)
     with pytest.raises(ValueError, match="does not fit the model's context of 128"):

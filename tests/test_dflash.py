@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from exitspec.drafters.base import Drafter
-from exitspec.drafters.dflash import DFlashDrafter
+from exitspec.drafters.dflash import DFlashDrafter, DFlashProposal
 from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel, build_target_layer_ids
 from exitspec.tree import DraftTree
 
@@ -145,15 +145,20 @@ def test_released_checkpoint_loads_and_drafts(released, target, tokens):
 
     prompt = tokens[:9]
     drafter.begin(prompt, target_features(target, prompt, drafter.feature_layers)[:-1])
-    logits = drafter.propose(prompt, max_depth=10)
+    proposal = drafter.propose(prompt, max_depth=10)
+    logits = proposal.marginals
     assert logits.shape == (BLOCK - 1, VOCAB) and logits.dtype == torch.float32
-    torch.testing.assert_close(drafter.propose(prompt, max_depth=2), logits[:2])
-    assert drafter.propose(prompt, max_depth=0).shape == (0, VOCAB)
+    torch.testing.assert_close(drafter.marginals(prompt, max_depth=2), logits[:2])
+    assert drafter.marginals(prompt, max_depth=0).shape == (0, VOCAB)
+    assert drafter.propose(prompt, max_depth=10, cheap=True).marginals is None  # no block forward
 
-    tree = drafter.build(logits, int(prompt[-1]), budget=6)
+    tree = drafter.build(proposal, int(prompt[-1]), budget=6)
     assert isinstance(tree, DraftTree) and tree.num_nodes == 6 and tree.depth <= BLOCK - 1
-    assert int(tree.tokens[1]) == int(logits[0].argmax())
-    assert drafter.build(logits[:0], 7, budget=6).num_nodes == 0
+    assert len(tree.scores) == 7 and list(tree.scores) == sorted(tree.scores, reverse=True)
+    model_only = DFlashDrafter.from_pretrained(released, target, copy_source=False)
+    assert model_only.propose(prompt, max_depth=10).copy is None
+    assert int(model_only.build(DFlashProposal(logits, None), int(prompt[-1]), 6).tokens[1]) == int(logits[0].argmax())
+    assert model_only.build(DFlashProposal(logits[:0], None), 7, budget=6).num_nodes == 0
 
 
 def reference_logits(tensors: dict, target, block_ids: torch.Tensor, ctx_features: torch.Tensor) -> torch.Tensor:
@@ -206,7 +211,7 @@ def test_matches_reference_forward(tmp_path, target, tokens):
     block_ids = torch.tensor([int(prompt[-1])] + [MASK_ID] * (BLOCK - 1))
     with torch.no_grad():
         expected = reference_logits(tensors, target, block_ids, feats[:-1])
-    torch.testing.assert_close(drafter.propose(prompt, 16), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.marginals(prompt, 16), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_save_load_round_trip(released, tmp_path, target, tokens):
@@ -214,7 +219,7 @@ def test_save_load_round_trip(released, tmp_path, target, tokens):
     for drafter, name in [(DFlashDrafter.from_pretrained(released, target), "a"), (fresh_drafter(target), "b")]:
         feats = target_features(target, prompt, drafter.feature_layers)[:-1]
         drafter.begin(prompt, feats)
-        before = drafter.propose(prompt, 16)
+        before = drafter.marginals(prompt, 16)
         out = tmp_path / "saved" / name
         drafter.model.save_pretrained(out)
         drafter.model.save_pretrained(out)  # replaces its own earlier save
@@ -231,7 +236,7 @@ def test_save_load_round_trip(released, tmp_path, target, tokens):
         assert config["block_size"] == BLOCK and config["num_target_layers"] == TARGET_LAYERS
         reloaded = DFlashDrafter.from_pretrained(out, target)
         reloaded.begin(prompt, feats)
-        assert torch.equal(reloaded.propose(prompt, 16), before)
+        assert torch.equal(reloaded.marginals(prompt, 16), before)
     (tmp_path / "saved" / "a" / "notes.txt").write_text("x")
     with pytest.raises(FileExistsError, match="other files"):
         drafter.model.save_pretrained(tmp_path / "saved" / "a")
@@ -302,17 +307,17 @@ def test_incremental_cache_equals_full_forward(learned_mask, window, released, t
             return target.lm_head(hidden[0, 1:])
 
     drafter.begin(tokens[:3], feats[:2])
-    torch.testing.assert_close(drafter.propose(tokens[:3], 16), full_forward(2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(drafter.marginals(tokens[:3], 16), full_forward(2), atol=1e-5, rtol=1e-5)
     length = 3
     for step in [1, 4, 2, 3, 40, 7, 9]:  # commits: the root plus an accepted path; the cache grows past 64
         drafter.commit(tokens[length - 1 : length - 1 + step], feats[length - 1 : length - 1 + step])
         length += step
         torch.testing.assert_close(
-            drafter.propose(tokens[:length], 16), full_forward(length - 1), atol=1e-5, rtol=1e-5
+            drafter.marginals(tokens[:length], 16), full_forward(length - 1), atol=1e-5, rtol=1e-5
         )
     assert drafter.cache.length == length - 1 == 68
     with pytest.raises(RuntimeError, match="draft cache holds 68 tokens"):
-        drafter.propose(tokens[: length + 1], 16)
+        drafter.marginals(tokens[: length + 1], 16)
 
 
 def test_errors_name_the_problem(tmp_path, target, tokens):

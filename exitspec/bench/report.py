@@ -23,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from exitspec.budget import budget_cap
 from exitspec.bench.runner import ResultsFile, speedup
 from exitspec.decode import STAGES
 
@@ -40,8 +41,11 @@ def summarize(rows: list[dict]) -> list[dict]:
         if row["kind"] == "spec":
             groups[tuple(row[f] for f in CELL)].append(row)
     rank = [{v: i for i, v in enumerate(dict.fromkeys(key[j] for key in groups))} for j in range(len(CELL))]
-    numeric = [f in ("temperature", "budget") for f in CELL]  # sorted by value, the others by first appearance
-    order = sorted(groups, key=lambda key: tuple(v if numeric[j] else rank[j][v] for j, v in enumerate(key)))
+    # temperature and budget sort by value (auto:B right after B), the others by first appearance
+    value = {"temperature": lambda t: t, "budget": lambda b: (budget_cap(b), isinstance(b, str))}
+    order = sorted(groups, key=lambda key: tuple(
+        value[f](v) if f in value else rank[j][v] for j, (f, v) in enumerate(zip(CELL, key))
+    ))
     return [{**dict(zip(CELL, key)), **aggregate(groups[key])} for key in order]
 
 
@@ -49,6 +53,7 @@ def aggregate(rows: list[dict]) -> dict:
     """Pooled statistics of spec rows of one cell (see the module docstring)."""
     rounds = sum(r["rounds"] for r in rows)
     accepted = Counter(a for r in rows for a in r["accepted_lengths"])
+    sizes = Counter(n for r in rows for n in r.get("tree_sizes", ()))  # rows before `--budget auto` lack them
     seconds = {k: sum(r[f] for r in rows) for k, f in (("spec", "total_seconds"), ("ar", "ar_seconds"), ("hf", "hf_seconds"))}
     tokens = {k: sum(r[f] for r in rows) for k, f in (("spec", "new_tokens"), ("ar", "ar_tokens"), ("hf", "hf_tokens"))}
     greedy = rows[0]["temperature"] == 0
@@ -68,6 +73,7 @@ def aggregate(rows: list[dict]) -> dict:
         "stage_seconds": {s: sum(r["stage_seconds"][s] for r in rows) for s in STAGES},
         "prefill_seconds": sum(r["prefill_seconds"] for r in rows),
         "accepted_histogram": [accepted.get(a, 0) for a in range(max(accepted, default=0) + 1)],
+        "tree_size_histogram": [sizes.get(n, 0) for n in range(max(sizes, default=-1) + 1)],  # rounds per N
         "matches_ar": statistics.mean(r["matches_ar"] for r in rows) if greedy else None,  # exactness at T=0
     }
 
@@ -327,7 +333,7 @@ def _plot_budgets(cells: list[dict]):
 
     A series keeps its colour in every column, and one legend below the panels names all of them."""
     datasets = list(dict.fromkeys(c["dataset"] for c in cells))
-    budgets = sorted({c["budget"] for c in cells})
+    budgets = sorted({budget_cap(c["budget"]) for c in cells})
     names = list(dict.fromkeys(_series_name(c) for c in cells))
     colours = _colours(names)
     fig, axes = plt.subplots(2, len(datasets), figsize=(4 * len(datasets), 6.5), squeeze=False, sharex=True)
@@ -340,7 +346,7 @@ def _plot_budgets(cells: list[dict]):
         series: dict[str, list] = defaultdict(list)
         for c in cells:
             if c["dataset"] == dataset:
-                series[_series_name(c)].append((c["budget"], c["tau"], c["sr_ar"]))
+                series[_series_name(c)].append((budget_cap(c["budget"]), c["tau"], c["sr_ar"]))
         for name, points in series.items():
             points.sort()
             xs = [p[0] for p in points]
@@ -348,7 +354,7 @@ def _plot_budgets(cells: list[dict]):
             handles[name] = axes[0, col].plot(xs, [p[1] for p in points], **style)[0]
             axes[1, col].plot(xs, [p[2] or 0 for p in points], **style)
         axes[0, col].set_title(dataset)
-        axes[1, col].set_xlabel("budget B (draft tokens per tree)")
+        axes[1, col].set_xlabel("budget B (draft tokens per tree; auto: its cap)")
     axes[0, 0].set_ylabel("τ (tokens per round)")
     axes[1, 0].set_ylabel("SR over autoregressive")
     fig.legend([handles[n] for n in names], names, loc="lower center", ncol=min(len(names), 4), fontsize="small")
@@ -363,7 +369,8 @@ def _colours(names: list[str]) -> dict[str, tuple]:
 
 
 def _series_name(cell: dict) -> str:
-    return f"{_drafter_name(cell['drafter'])} · {cell['verifier']} · T={cell['temperature']:g}"
+    auto = " · auto" if isinstance(cell["budget"], str) else ""  # auto:B sits at its cap B on the budget axis
+    return f"{_drafter_name(cell['drafter'])}{auto} · {cell['verifier']} · T={cell['temperature']:g}"
 
 
 def _plot_stages(cells: list[dict], ar: dict):

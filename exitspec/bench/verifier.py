@@ -84,7 +84,7 @@ def drafter_log_marginals(target: TargetModel, drafter: DFlashDrafter, prompt_id
     target.reset()
     ids = torch.tensor(prompt_ids, device=target.device)
     drafter.begin(ids, target.prefill(ids[:-1]))
-    return torch.log_softmax(drafter.propose(ids, depth), dim=-1)
+    return torch.log_softmax(drafter.marginals(ids, depth), dim=-1)
 
 
 def realised_pairs(

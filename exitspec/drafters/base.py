@@ -2,10 +2,17 @@
 
 One round, as the decode loop drives it (shapes for one sequence):
 
-    proposal = drafter.propose(context_ids, max_depth)     # context_ids [L]; its last token is the tree root
+    proposal = drafter.propose(context_ids, max_depth, cheap)  # context_ids [L]; its last token is the tree root
     tree = drafter.build(proposal, root_token, budget)     # DraftTree with at most `budget` non-root nodes
+    ... --budget auto may keep only tree.head(n) ...
     ... one target forward over the tree, a verifier picks root → path plus a bonus token ...
+    drafter.observe(tree, reach)                           # the realised P(u) [N+1] of the tree verified (Eq. 2)
     drafter.commit(committed_ids, committed_features)      # the root and the accepted path, now in the target cache
+
+`cheap` asks for a draft from the drafter's cheapest source only (for DFlash: prompt lookup without the
+block forward); a drafter with one source ignores it. Trees list their nodes best first and, where the
+drafter can, carry `scores`: estimates of each node's reach probability P(u), which `--budget auto`
+weighs against the cost of a bigger tree.
 
 `propose` is timed as the draft stage and `build` as the build stage. Features are the concatenated hidden
 states of the target layers named by `feature_layers` (outputs of those decoder layers, 0-based), one row
@@ -29,11 +36,14 @@ class Drafter(Protocol):
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
         """Starts a sequence. prompt_ids [L]; features [L-1, F] for prompt_ids[:-1] (the cached tokens)."""
 
-    def propose(self, context_ids: Tensor, max_depth: int) -> Any:
+    def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> Any:
         """Drafts up to `max_depth` future tokens after context_ids [L] (context_ids[-1] is the root)."""
 
     def build(self, proposal: Any, root_token: int, budget: int) -> DraftTree:
         """Selects at most `budget` of the proposed tokens as a prefix-closed tree rooted at root_token."""
+
+    def observe(self, tree: DraftTree, reach: Tensor) -> None:
+        """Learns from the tree just verified: reach [N+1] holds each node's realised P(u)."""
 
     def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
         """committed_ids [n]: the root and accepted path tokens now in the target cache; features [n, F]."""

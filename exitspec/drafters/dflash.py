@@ -9,6 +9,11 @@ One round for a context x_0..x_{L-1} whose last token (the root) is not yet in t
 
 The block's own keys and values never enter the cache: `commit` appends the features of the tokens the
 target has just accepted (the root and the accepted path), exactly as `begin` fills it with the prompt's.
+
+Copy candidates: prompt lookup (ngram.py) also proposes what followed earlier occurrences of the context's
+suffix. Both sources' nodes are ranked on one scale, their calibrated estimates of P(u) (calibrate.py),
+and the tree takes the best of the union. A `cheap` round skips the block forward and drafts from the
+copy source alone.
 """
 
 from __future__ import annotations
@@ -16,9 +21,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dataclasses import dataclass
+
 from exitspec.build import build_ddtree
+from exitspec.calibrate import SourceMerge, copy_bins, copy_calibrator, model_bins, model_calibrator
 from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel
+from exitspec.drafters.ngram import NgramDrafter, NgramProposal
 from exitspec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class DFlashProposal:
+    marginals: Tensor | None  # [H, V] fp32 per-depth logits; None in a cheap round
+    copy: NgramProposal | None  # prompt-lookup continuations; None without the copy source
 
 
 class DraftCache:
@@ -55,7 +70,14 @@ class DraftCache:
 class DFlashDrafter:
     """The Drafter protocol over a DFlashModel and the target's frozen input embeddings and LM head."""
 
-    def __init__(self, model: DFlashModel, target_embeddings: nn.Embedding, target_lm_head: nn.Module, device=None):
+    def __init__(
+        self,
+        model: DFlashModel,
+        target_embeddings: nn.Embedding,
+        target_lm_head: nn.Module,
+        device=None,
+        copy_source: bool = True,
+    ):
         cfg = model.config
         vocab, hidden = target_lm_head.weight.shape
         if target_embeddings.embedding_dim != hidden:
@@ -71,16 +93,27 @@ class DFlashDrafter:
         self.block_size = cfg.block_size
         self.vocab_size = vocab
         self.cache = DraftCache()
+        self.copy = NgramDrafter() if copy_source else None
+        self.reset_calibration()
+
+    def reset_calibration(self) -> None:
+        """Forgets what the estimates of P(u) learned (they persist across sequences otherwise)."""
+        self.merge = SourceMerge(
+            {"model": (model_calibrator(), lambda t: model_bins(t.scores)), "copy": (copy_calibrator(), copy_bins)}
+        )
 
     @classmethod
-    def from_pretrained(cls, folder, target_hf_model, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    def from_pretrained(
+        cls, folder, target_hf_model, device=None, dtype: torch.dtype | None = None, copy_source: bool = True
+    ) -> DFlashDrafter:
         """Loads a checkpoint folder for an HF causal LM target, after checking that the target fits it.
-        The drafter takes the target's device and embedding dtype unless told otherwise."""
+        The drafter takes the target's device and embedding dtype unless told otherwise; `copy_source`
+        adds prompt-lookup candidates to its trees."""
         tc = target_hf_model.config.get_text_config()
         embed, lm_head = target_hf_model.get_input_embeddings(), target_hf_model.get_output_embeddings()
         DFlashConfig.load(folder).check_target(tc.hidden_size, lm_head.weight.shape[0], tc.num_hidden_layers)
         model = DFlashModel.from_pretrained(folder, dtype=dtype or embed.weight.dtype)
-        return cls(model, embed, lm_head, device=device)
+        return cls(model, embed, lm_head, device=device, copy_source=copy_source)
 
     # -- the Drafter protocol ------------------------------------------------------------------------------
 
@@ -91,7 +124,13 @@ class DFlashDrafter:
         self._append(features, expected=prompt_ids.numel() - 1)
 
     @torch.no_grad()
-    def propose(self, context_ids: Tensor, max_depth: int) -> Tensor:
+    def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> DFlashProposal:
+        """The block forward's marginals (unless `cheap`) and the copy source's continuations."""
+        copy = self.copy.propose(context_ids, max_depth) if self.copy is not None else None
+        return DFlashProposal(None if cheap else self.marginals(context_ids, max_depth), copy)
+
+    @torch.no_grad()
+    def marginals(self, context_ids: Tensor, max_depth: int) -> Tensor:
         """Per-depth logits [H, V] (fp32), H = min(block_size−1, max_depth), for the tokens after context_ids[-1]."""
         ctx_len = context_ids.numel() - 1
         if ctx_len != self.cache.length:
@@ -112,11 +151,19 @@ class DFlashDrafter:
         hidden = self.model.decode(block, positions, ctx_k, ctx_v)  # [1, bs, D]
         return self.lm_head(hidden[0, 1 : 1 + depth].to(self.lm_head.weight.dtype)).float()  # [H, V]
 
-    def build(self, proposal: Tensor, root_token: int, budget: int) -> DraftTree:
-        """The DDTree: the `budget` most probable prefixes under the per-depth marginals."""
-        if proposal.shape[0] == 0:
-            return DraftTree.root_only(root_token, device=proposal.device)
-        return build_ddtree(proposal, root_token, budget)
+    def build(self, proposal: DFlashProposal, root_token: int, budget: int) -> DraftTree:
+        """The `budget` best nodes of the DDTree over the marginals (the most probable prefixes) and of the
+        copy trie, ranked by their calibrated estimates of P(u)."""
+        candidates = {}
+        if proposal.marginals is not None and proposal.marginals.shape[0]:
+            candidates["model"] = build_ddtree(proposal.marginals, root_token, budget)
+        if proposal.copy is not None:
+            candidates["copy"] = self.copy.trie(proposal.copy, root_token, budget)
+        return self.merge.build(root_token, candidates, budget, self.device)
+
+    def observe(self, tree: DraftTree, reach: Tensor) -> None:
+        """The realised reach probabilities P(u) [N+1] of the last tree built (Eq. 2) calibrate its sources."""
+        self.merge.observe(tree, reach)
 
     @torch.no_grad()
     def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:

@@ -3,6 +3,7 @@
 The drafter finds earlier places in the context whose preceding tokens match the context's last tokens
 (its suffix n-gram, n = max_ngram down to min_ngram) and proposes the tokens that followed them. The
 continuations go into a trie (`build.build_trie`), so the tree keeps the tokens that most matches agree on.
+Its nodes carry calibrated estimates of P(u) (calibrate.py), learned from the rounds the target verified.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor
 
 from exitspec.build import build_trie
+from exitspec.calibrate import SourceMerge, copy_bins, copy_calibrator
 from exitspec.tree import DraftTree
 
 
@@ -36,6 +38,7 @@ class NgramDrafter:
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
         self.max_ngram, self.min_ngram, self.max_candidates = max_ngram, min_ngram, max_candidates
+        self.merge = SourceMerge({"copy": (copy_calibrator(), copy_bins)})
 
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
         pass
@@ -43,7 +46,7 @@ class NgramDrafter:
     def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
         pass
 
-    def propose(self, context_ids: Tensor, max_depth: int) -> NgramProposal:
+    def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> NgramProposal:
         """Up to max_candidates continuations (each <= max_depth tokens) of earlier suffix matches in context_ids [L].
 
         A match starting the continuation at position e has length m = how many tokens before e equal the
@@ -72,6 +75,14 @@ class NgramDrafter:
         weights = (match_len[starts] + starts.double() / length).tolist()
         return NgramProposal(continuations, weights, context_ids.device)
 
-    def build(self, proposal: NgramProposal, root_token: int, budget: int) -> DraftTree:
+    def trie(self, proposal: NgramProposal, root_token: int, budget: int) -> DraftTree:
         """The trie of the proposed continuations, cut to its `budget` heaviest nodes (root-only without matches)."""
         return build_trie(root_token, proposal.continuations, proposal.weights, budget, device=proposal.device)
+
+    def build(self, proposal: NgramProposal, root_token: int, budget: int) -> DraftTree:
+        """The trie's nodes ranked by their calibrated estimates of P(u), the best `budget` of them."""
+        return self.merge.build(root_token, {"copy": self.trie(proposal, root_token, budget)}, budget, proposal.device)
+
+    def observe(self, tree: DraftTree, reach: Tensor) -> None:
+        """The realised reach probabilities P(u) [N+1] of the last tree built calibrate its estimates."""
+        self.merge.observe(tree, reach)

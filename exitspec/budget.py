@@ -1,0 +1,189 @@
+"""`--budget auto`: each round, the tree size that maximises expected tokens per second.
+
+A round with a tree of N draft tokens emits 1 + C_p(T) tokens in expectation (Eq. 5; exact for every
+saturated verifier) and costs the draft plus the target stage (tree forward, verification, commit). With
+the builder's nodes u_1, u_2, ... in best-first order and P̂(u_k) the calibrated estimate of P(u_k)
+(calibrate.py), the round keeps the first N nodes for
+
+    N* = argmax_{0 ≤ N ≤ B}  (1 + Σ_{k≤N} P̂(u_k)) / (cost(N) + draft cost)
+
+N is fixed before the target sees the tree, so exactness is untouched; N = 0 is a plain autoregressive step.
+
+The cost side. `CostModel` is the target stage's seconds against N, measured at start-up over a grid of
+tree sizes on the running device (one file per model, device, dtype, backend and thread count in
+exitspec's cache, so later runs skip it) and corrected online: every round's measured target-stage time
+updates a running ratio of measured to predicted seconds, which follows context length and machine load.
+
+Which source to draft from. A round that runs the drafter's model (DFlash's block forward) pays its cost
+before it knows its tree; a cheap round drafts from prompt lookup alone. Each kind keeps a running mean of
+what it realised, (1 + C_p) over the round's seconds, and the better one drafts, with the other one tried
+every EXPLORE_EVERY rounds so that its mean stays current.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from exitspec.tree import DraftTree
+
+AUTO = "auto"
+AUTO_CAP = 32  # the largest tree `--budget auto` builds unless given auto:B
+GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+EXPLORE_EVERY = 8
+
+
+def parse_budget(value: str | int) -> int | str:
+    """`B` (a fixed budget of B draft tokens, B >= 0), `auto` (cost-aware, at most 32) or `auto:B`."""
+    text = str(value).strip().lower()
+    if text == AUTO:
+        return f"{AUTO}:{AUTO_CAP}"
+    try:
+        cap = int(text[len(AUTO) + 1 :]) if text.startswith(f"{AUTO}:") else int(text)
+    except ValueError:
+        raise ValueError(f"budget must be a number of draft tokens, 'auto' or 'auto:B'; got {value!r}") from None
+    if cap < 0:
+        raise ValueError(f"budget must be >= 0 draft tokens per round, got {cap}")
+    return f"{AUTO}:{cap}" if text.startswith(AUTO) else cap
+
+
+def budget_cap(budget: int | str) -> int:
+    """The most draft tokens a round may hold under `budget` (parsed)."""
+    return int(str(budget).split(":")[1]) if isinstance(budget, str) else budget
+
+
+@dataclass
+class CostModel:
+    """Seconds of the target stage for a tree of N draft tokens: a measured grid, linear in between."""
+
+    sizes: list[int]
+    seconds: list[float]
+    ratio: float = 1.0  # running mean of measured / predicted seconds
+    smoothing: float = 0.1
+
+    def base(self, n: int) -> float:
+        """The measured seconds at N, linear between grid sizes and along the last segment beyond them."""
+        sizes, seconds = self.sizes, self.seconds
+        if len(sizes) == 1:
+            return seconds[0]
+        i = min(max(bisect.bisect_left(sizes, n), 1), len(sizes) - 1)  # the segment [i-1, i] holding n
+        return seconds[i - 1] + (n - sizes[i - 1]) / (sizes[i] - sizes[i - 1]) * (seconds[i] - seconds[i - 1])
+
+    def __call__(self, n: int) -> float:
+        return self.ratio * self.base(n)
+
+    def update(self, n: int, seconds: float) -> None:
+        self.ratio += self.smoothing * (seconds / self.base(n) - self.ratio)
+
+    @classmethod
+    def measure(cls, target, max_size: int, context: int = 256, repeats: int = 3) -> CostModel:
+        """Times forward + commit of chain trees of each grid size up to max_size after `context` cached tokens.
+
+        Chains have the largest depth for their size, so positions and mask are the dearest case; the median
+        of `repeats` runs (after one warm-up) is kept. The target's cache is reset afterwards.
+        """
+        sizes = [n for n in GRID if n <= max_size] + ([max_size] if max_size not in GRID else [])
+        device = target.device
+        context = max(1, min(context, target.max_context - max(sizes) - 2))
+        ids = torch.arange(context, device=device) % target.vocab_size
+        seconds = []
+        target.reset()
+        target.prefill(ids)
+        for n in sizes:
+            tree = DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=device)
+            runs = []
+            for _ in range(repeats + 1):
+                _sync(device)
+                start = time.perf_counter()
+                target.forward_tree(tree)
+                target.commit(tree, [])
+                _sync(device)
+                runs.append(time.perf_counter() - start)
+                target.truncate(context)  # back to the same context for the next run
+            seconds.append(sorted(runs[1:])[len(runs[1:]) // 2])
+        target.reset()
+        return cls(sizes, seconds)
+
+    @classmethod
+    def cached(cls, target, max_size: int) -> CostModel:
+        """`measure`, once per model, device, dtype, backend, thread count and max size; kept in exitspec's cache."""
+        from exitspec.models import cache_dir
+
+        key = json.dumps([
+            target.model.config.to_json_string(use_diff=False), str(target.device), str(target.model.dtype),
+            type(target.backend).__name__, torch.get_num_threads(), torch.__version__, max_size,
+        ])
+        path = cache_dir() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+                return cls(data["sizes"], data["seconds"])
+            except (ValueError, KeyError):
+                pass  # a damaged file is measured again and replaced
+        model = cls.measure(target, max_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"sizes": model.sizes, "seconds": model.seconds}))
+        tmp.replace(path)
+        return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_size(scores, cost: CostModel, draft_seconds: float, cap: int) -> int:
+    """argmax_N (1 + Σ_{k≤N} scores[k]) / (cost(N) + draft_seconds) over N = 0..min(cap, len(scores) - 1).
+
+    scores [N+1]: the tree's node estimates in best-first order (scores[0] is the root's and is skipped).
+    """
+    best, best_rate, expected = 0, 1.0 / (cost(0) + draft_seconds), 1.0
+    for n in range(1, min(cap, len(scores) - 1) + 1):
+        expected += scores[n]
+        rate = expected / (cost(n) + draft_seconds)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
+@dataclass
+class AutoBudget:
+    """The per-round choices of `--budget auto`: which source drafts, and how many of its nodes to keep."""
+
+    cost: CostModel
+    cap: int
+    draft_seconds: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})  # cheap -> s
+    rate: dict[bool, float | None] = field(default_factory=lambda: {False: None, True: None})  # cheap -> tok/s
+    rounds: int = 0
+    smoothing: float = 0.2
+
+    def cheap_round(self) -> bool:
+        """Draft from the cheapest source this round? The kind with the better realised rate, exploring."""
+        full, cheap = self.rate[False], self.rate[True]
+        if full is None or cheap is None:
+            return full is not None  # try each kind once, the full one first
+        better = cheap > full
+        return (not better) if self.rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1 else better
+
+    def choose(self, tree: DraftTree, cheap: bool) -> DraftTree:
+        """The best head of the tree (best-first nodes) for this round; the whole tree if it has no scores."""
+        if tree.scores is None:
+            return tree.head(self.cap + 1)
+        return tree.head(1 + best_size(tree.scores, self.cost, self.draft_seconds[cheap], self.cap))
+
+    def record(self, cheap: bool, size: int, draft_seconds: float, target_seconds: float, coverage: float) -> None:
+        """One round's measurements: N, draft and target-stage seconds, and C_p of the tree verified."""
+        self.rounds += 1
+        self.cost.update(size, target_seconds)
+        self.draft_seconds[cheap] += self.smoothing * (draft_seconds - self.draft_seconds[cheap])
+        realised = (1.0 + coverage) / (draft_seconds + target_seconds)
+        old = self.rate[cheap]
+        self.rate[cheap] = realised if old is None else old + self.smoothing * (realised - old)
+

@@ -1,0 +1,114 @@
+"""Calibrated node estimates: what a drafter's score is worth in target reach probability, learned online.
+
+A drafter scores its nodes (a model's prefix probability, a copy source's share of agreeing matches), but
+the decode loop needs the probability that a target continuation walks to the node, P(u) (Eq. 2): the
+sum of P(u) over a tree is its exact expected accepted length C_p (Eq. 5). Every verified round reveals
+P(u) for every node of its tree, so each node's score falls in a bin and the bin keeps a running mean of
+the realised P(u) of its nodes, shrunk towards a prior while it has few of them:
+
+    estimate(b) = (Σ_b decay^age · P(u) + w0 · prior(b)) / (Σ_b decay^age + w0)
+
+Bins form a grid [rows, cols] whose columns go from more to less promising (a lower model score, a deeper
+copy node); estimates are made non-increasing along a row, which keeps the best-first order of a tree
+prefix-closed. `SourceMerge` ranks the nodes of several sources on one scale with these estimates
+(build.merge_best_first) and routes each round's realised P(u) back to the bins that predicted them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from exitspec.build import merge_best_first
+from exitspec.tree import DraftTree
+
+
+class Calibrator:
+    """Running means of realised reach probabilities per bin of a [rows, cols] grid, with priors."""
+
+    def __init__(self, prior: Tensor, prior_weight: float = 4.0, decay: float = 0.995):
+        self.prior = prior.double()  # [rows, cols]
+        self.prior_weight, self.decay = prior_weight, decay
+        self.mass = torch.zeros_like(self.prior)  # decayed sum of realised P(u)
+        self.count = torch.zeros_like(self.prior)  # decayed number of nodes
+        self._table: list[float] | None = None
+
+    def table(self) -> list[float]:
+        """Estimates of all bins, flat in row-major order, non-increasing along each row."""
+        if self._table is None:
+            mean = (self.mass + self.prior_weight * self.prior) / (self.count + self.prior_weight)
+            self._table = torch.cummin(mean, dim=-1).values.flatten().tolist()
+        return self._table
+
+    def estimate(self, bins: Sequence[int]) -> list[float]:
+        table = self.table()
+        return [table[b] for b in bins]
+
+    def observe(self, bins: Sequence[int], reach: Sequence[float]) -> None:
+        """Adds the realised P(u) of nodes that fell in `bins` (flat indices)."""
+        mass, count = self.mass.view(-1), self.count.view(-1)
+        for b, r in zip(bins, reach):
+            mass[b] = self.decay * mass[b] + r
+            count[b] = self.decay * count[b] + 1.0
+        self._table = None
+
+
+MODEL_BIN_NATS, MODEL_BINS = 0.5, 24  # model scores: bins of half a nat of -log q, the last one open
+COPY_DEPTHS, COPY_SHARES = 8, 4  # copy nodes: depth 1..8 (deeper in the last) x share of agreeing matches
+
+
+def model_calibrator() -> Calibrator:
+    """For a model's prefix probability q: bin b holds -log q in [b/2, (b+1)/2) nats; prior: q itself."""
+    centres = torch.arange(MODEL_BINS, dtype=torch.float64) + 0.5
+    return Calibrator(torch.exp(-MODEL_BIN_NATS * centres)[None])
+
+
+def model_bins(scores: Sequence[float]) -> list[int]:
+    return [min(int(-math.log(max(q, 1e-300)) / MODEL_BIN_NATS), MODEL_BINS - 1) for q in scores]
+
+
+def copy_calibrator() -> Calibrator:
+    """For copy nodes by (share of agreeing matches, depth); prior 0.4 · share · 0.7^(depth-1)."""
+    share = (torch.arange(COPY_SHARES, dtype=torch.float64) + 1) / COPY_SHARES
+    depth = torch.arange(COPY_DEPTHS, dtype=torch.float64)
+    return Calibrator(0.4 * share[:, None] * 0.7 ** depth[None])
+
+
+def copy_bins(tree: DraftTree) -> list[int]:
+    """Bins of a trie tree's nodes (its `scores` are shares of agreeing matches): row share, column depth."""
+    depths = tree.depths.tolist()
+    return [
+        min(int(share * COPY_SHARES), COPY_SHARES - 1) * COPY_DEPTHS + min(d, COPY_DEPTHS) - 1
+        for share, d in zip(tree.scores, depths)
+    ]
+
+
+class SourceMerge:
+    """Candidate trees from several named sources, each with its calibrator, merged into one ranked tree."""
+
+    def __init__(self, sources: dict[str, tuple[Calibrator, Callable[[DraftTree], list[int]]]]):
+        self.sources = sources  # name -> (calibrator, tree -> bin of every node)
+        self._origins: list[list[tuple[str, int]]] = []  # per node of the last tree: (source, bin)
+
+    def build(self, root_token: int, candidates: dict[str, DraftTree], budget: int, device=None) -> DraftTree:
+        """The `budget` best nodes over all sources' candidate trees, by calibrated estimate of P(u)."""
+        names, scored, bins = [], [], []
+        for name, tree in candidates.items():
+            calibrator, binning = self.sources[name]
+            node_bins = [0, *binning(tree)[1:]]
+            names.append(name)
+            bins.append(node_bins)
+            scored.append((tree, [1.0, *calibrator.estimate(node_bins[1:])]))
+        tree, origins = merge_best_first(root_token, scored, budget, device)
+        self._origins = [[(names[s], bins[s][u]) for s, u in node] for node in origins]
+        return tree
+
+    def observe(self, tree: DraftTree, reach: Tensor) -> None:
+        """Feeds the realised P(u) of the last built tree's nodes (reach [N+1], tree possibly cut by `head`)."""
+        values = reach.tolist()
+        for u in range(1, min(tree.size, len(self._origins))):
+            for name, b in self._origins[u]:
+                self.sources[name][0].observe([b], [values[u]])
