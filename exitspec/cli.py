@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from exitspec.budget import parse_budget
 from exitspec.drafters import DRAFTER_HELP
 from exitspec.verify import DECIDERS
 
@@ -61,7 +62,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--budget", type=int, default=32, help="draft tokens per tree (B)")
+    p.add_argument("--budget", type=parse_budget, default="auto", metavar="B|auto|auto:B",
+                   help="draft tokens per tree: a fixed B, or auto (default; each round the size up to 32, or up to "
+                        "B with auto:B, that maximises expected tokens per second)")
     p.add_argument("--verifier", default="tev", choices=sorted(DECIDERS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="encode the prompt as plain text, no chat template")
@@ -106,9 +109,10 @@ def _generate(args) -> int:
             out["identical_to_autoregressive"] = baseline.tokens == result.tokens
         print(json.dumps(out))
         return 0
+    mean_n = sum(r.tree_size for r in result.rounds) / max(len(result.rounds), 1)
     line = (
         f"\n\n[τ {result.tau:.2f} · {result.tokens_per_second:.1f} tok/s · {len(result.tokens)} tokens in "
-        f"{len(result.rounds)} rounds · mean C_p {result.mean_coverage:.2f} · {args.verifier}, B={args.budget}"
+        f"{len(result.rounds)} rounds · mean C_p {result.mean_coverage:.2f} · {args.verifier}, B={args.budget} (mean N {mean_n:.1f})"
     )
     if baseline:
         line += f" · speedup {speedup:.2f}× over autoregressive ({baseline.tokens_per_second:.1f} tok/s)"

@@ -29,6 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
+from exitspec.budget import budget_cap, parse_budget
 from exitspec.decode import RoundTrace, SpeculativeDecoder
 from exitspec.drafters import DRAFTER_HELP, default_drafter, load_drafter
 from exitspec.flow import TreeFlow, tree_flow
@@ -57,7 +58,7 @@ def inspect_rounds(
     decoder: SpeculativeDecoder,
     prompt,
     rounds: int,
-    budget: int,
+    budget: int | str,
     params: SamplingParams,
     verifier: str = "tev",
     seed: int = 0,
@@ -67,7 +68,7 @@ def inspect_rounds(
     traces: list[RoundTrace] = []
     result = decoder.generate(
         prompt,
-        max_new_tokens=rounds * (budget + 1),  # never binds before max_rounds: a round emits <= budget + 1 tokens
+        max_new_tokens=rounds * (budget_cap(budget) + 1),  # never binds before max_rounds: a round emits <= budget + 1 tokens
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
@@ -229,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     p.add_argument("--rounds", type=int, default=8, help="decoding rounds to inspect")
-    p.add_argument("--budget", type=int, default=32, help="draft tokens per tree (B)")
+    p.add_argument("--budget", type=parse_budget, default=32, metavar="B|auto|auto:B",
+                   help="draft tokens per tree (default 32; auto: the cost-aware size, see `generate --help`)")
     p.add_argument("--temperature", type=float, default=1.0, help="target warp (0 = greedy: one-hot exits)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -248,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main_inspect(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.rounds < 1 or args.budget < 1:
+        if args.rounds < 1 or budget_cap(args.budget) < 1:
             raise ValueError(f"--rounds and --budget must be >= 1, got {args.rounds} and {args.budget}")
         prompt = [int(t) for t in args.prompt.replace(",", " ").split()] if args.ids else args.prompt
         params = SamplingParams(args.temperature, args.top_k, args.top_p)

@@ -22,9 +22,9 @@ Two forwards do the work behind one small interface (reset, forward, keep, crop,
 from __future__ import annotations
 
 import inspect
-from typing import Literal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config, Qwen3Con
 from exitspec.lean import LeanLlama, supports
 from exitspec.target import TargetModel, TransformersForward
 
-SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, tie_word_embeddings=False)
+SHAPE = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 128, "initializer_range": 0.2, "tie_word_embeddings": False}
 
 
 def tiny(config_cls, seed=0, **extra):

@@ -25,6 +25,7 @@ from exitspec.bench import report, verifier
 from exitspec.bench.datasets import BUILTIN, load_dataset
 from exitspec.bench.presets import CUSTOM, PRESETS, VERIFIER_LATENCY, configs
 from exitspec.bench.runner import Plan, ResultsFile, Runner, environment, run_plan
+from exitspec.budget import parse_budget
 from exitspec.drafters import DRAFTER_HELP, default_drafter
 from exitspec.verify import DECIDERS
 
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drafters", nargs="+", metavar="SPEC",
                    help=f"each one of: {DRAFTER_HELP}; or chain:SPEC for a drafter's best path. "
                         "The report pairs the last one listed against each other one")
-    s.add_argument("--budgets", type=int, nargs="+", metavar="B", help="draft tokens per tree (default 32)")
+    s.add_argument("--budgets", type=parse_budget, nargs="+", metavar="B",
+                   help="draft tokens per tree: numbers, auto or auto:B (the cost-aware size; default 32)")
     s.add_argument("--verifiers", nargs="+", choices=sorted(DECIDERS), metavar="NAME",
                    help=f"among {', '.join(sorted(DECIDERS))} (default tev)")
     s.add_argument("--chain", action="store_const", const=True, help="also each drafter's chain at the largest budget")

@@ -23,8 +23,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from exitspec.budget import budget_cap
 from exitspec.bench.runner import ResultsFile, speedup
+from exitspec.budget import budget_cap
 from exitspec.decode import STAGES
 
 CELL = ("dataset", "temperature", "drafter", "budget", "verifier")

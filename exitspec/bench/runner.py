@@ -37,6 +37,7 @@ import transformers
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from exitspec.bench.datasets import Sample
+from exitspec.budget import parse_budget
 from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens, encode_prompt, generate_autoregressive
 from exitspec.drafters import Drafter, drafter_folder, load_drafter
 from exitspec.models import default_model_dir, load_model_and_tokenizer
@@ -55,7 +56,7 @@ class Config:
     """One speculative setting; with a dataset and a temperature it is one column of the report."""
 
     drafter: str  # "dflash", "ngram", a DFlash folder, or "chain:<drafter>" (see ChainDrafter)
-    budget: int
+    budget: int | str  # B, or "auto:B" (budget.py)
     verifier: str
 
 
@@ -92,8 +93,7 @@ class Plan:
             SamplingParams(t, self.top_k, self.top_p)  # raises on a bad setting
         for c in self.configs:
             check_verifier(c.verifier, SamplingParams(0.0))  # raises on an unknown name
-            if c.budget < 0:
-                raise ValueError(f"budgets must be >= 0, got {c.budget}")
+            parse_budget(c.budget)  # raises on a bad budget
         if not any(self.configs_at(t) for t in self.temperatures):
             raise ValueError("no valid (drafter, budget, verifier, temperature) combination to run")
 

@@ -18,10 +18,10 @@ copy source alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
-
-from dataclasses import dataclass
 
 from exitspec.build import build_ddtree
 from exitspec.calibrate import SourceMerge, copy_bins, copy_calibrator, model_bins, model_calibrator

@@ -1,0 +1,126 @@
+"""`--budget auto`: parsing, the cost model, the tree-size rule, calibration and the merge of sources."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import tiny_llama
+
+from exitspec.budget import AutoBudget, CostModel, best_size, budget_cap, parse_budget
+from exitspec.build import build_trie, merge_best_first
+from exitspec.calibrate import Calibrator, model_bins, model_calibrator
+from exitspec.target import TargetModel
+from exitspec.tree import DraftTree
+
+
+def test_parse_budget():
+    assert parse_budget("auto") == "auto:32" and parse_budget("AUTO:8") == "auto:8"
+    assert parse_budget("16") == 16 and parse_budget(0) == 0
+    assert budget_cap("auto:8") == 8 and budget_cap(16) == 16
+    for bad in ("auto:", "auto:-1", "-3", "lots", "1.5"):
+        with pytest.raises(ValueError, match="budget"):
+            parse_budget(bad)
+
+
+def test_cost_model_interpolates_and_follows_measurements():
+    cost = CostModel([0, 4, 16], [1.0, 1.2, 2.4])
+    assert cost(0) == 1.0 and cost(2) == pytest.approx(1.1) and cost(10) == pytest.approx(1.8)
+    assert cost(28) == pytest.approx(3.6)  # the last segment's slope, extended
+    for _ in range(200):
+        cost.update(4, 2.4)  # the machine is twice as slow as measured
+    assert cost.ratio == pytest.approx(2.0) and cost(16) == pytest.approx(4.8)
+
+
+def test_best_size_maximises_expected_tokens_per_second():
+    cost = CostModel([0, 10], [1.0, 2.0])  # each node costs a tenth of a step
+    scores = (1.0, 0.9, 0.8, 0.3, 0.05, 0.01)
+    rates = [(1 + sum(scores[1 : n + 1])) / (cost(n) + 0.1) for n in range(6)]
+    assert best_size(scores, cost, 0.1, cap=5) == max(range(6), key=rates.__getitem__) == 3
+    assert best_size(scores, cost, 0.1, cap=2) == 2
+    assert best_size((1.0, 0.01, 0.001), cost, 0.0, cap=8) == 0  # not worth a node: a plain step
+    assert best_size(scores, CostModel([0, 10], [1.0, 1.0]), 0.1, cap=5) == 5  # free nodes: take them all
+
+
+def test_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXITSPEC_CACHE", str(tmp_path))
+    target = TargetModel(tiny_llama(32))
+    first = CostModel.cached(target, 8)
+    assert first.sizes == [0, 1, 2, 3, 4, 6, 8] and all(s > 0 for s in first.seconds)
+    assert target.cache_len == 0  # the measurement leaves the target empty
+    (path,) = (tmp_path / "costs").iterdir()
+    path.write_text(json.dumps({"sizes": [0, 8], "seconds": [1.0, 2.0]}))
+    assert CostModel.cached(target, 8).seconds == [1.0, 2.0]  # read back, not re-measured
+    assert CostModel.cached(target, 4).sizes == [0, 1, 2, 3, 4]  # another cap is another entry
+
+
+def test_auto_budget_tries_both_kinds_then_prefers_the_faster_and_keeps_exploring():
+    auto = AutoBudget(CostModel([0, 8], [1.0, 2.0]), cap=8)
+    assert auto.cheap_round() is False
+    auto.record(False, 4, 0.5, 1.5, coverage=0.2)  # full drafting: 1.2 tokens in 2 s
+    assert auto.cheap_round() is True
+    auto.record(True, 2, 0.0, 1.2, coverage=0.6)  # cheap: 1.6 tokens in 1.2 s
+    kinds = []
+    for _ in range(16):
+        kinds.append(auto.cheap_round())
+        auto.record(kinds[-1], 2, 0.0, 1.2, coverage=0.6) if kinds[-1] else auto.record(False, 4, 0.5, 1.5, 0.2)
+    assert kinds.count(False) == 2 and kinds.count(True) == 14  # the slower kind every 8th round only
+
+
+def test_calibrator_learns_realised_reach_and_stays_monotone():
+    calibrator = model_calibrator()
+    assert calibrator.estimate(model_bins([1.0, 0.5]))[0] == pytest.approx(math.exp(-0.25))  # prior: q itself
+    bins = model_bins([0.9, 0.3])
+    for _ in range(300):
+        calibrator.observe(bins, [0.2, 0.6])  # overconfident at the top, underconfident below
+    high, low = calibrator.estimate(bins)
+    assert high == pytest.approx(0.2, abs=0.02) and low == pytest.approx(0.2, abs=0.02)  # capped by its better bin
+    table = calibrator.table()
+    assert all(a >= b for a, b in itertools.pairwise(table))
+
+
+def test_calibrator_shrinks_to_its_prior():
+    calibrator = Calibrator(torch.tensor([[0.5]]), prior_weight=4.0, decay=0.5)
+    calibrator.observe([0, 0, 0], [1.0, 1.0, 1.0])
+    seen = 1.0 + 0.5 + 0.25  # decayed count (and mass) of the three nodes
+    assert calibrator.estimate([0]) == [pytest.approx((seen + 4.0 * 0.5) / (seen + 4.0))]
+
+
+trees = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), min_size=1, max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=trees, b=trees, wa=st.lists(st.floats(0.01, 10), min_size=8, max_size=8),
+       wb=st.lists(st.floats(0.01, 10), min_size=8, max_size=8), budget=st.integers(0, 12))
+def test_merged_trees_are_best_first_prefix_closed_and_take_the_larger_estimate(a, b, wa, wb, budget):
+    sources = []
+    for continuations, weights in ((a, wa), (b, wb)):
+        tree = build_trie(9, continuations, weights[: len(continuations)], 64)
+        sources.append((tree, list(tree.scores)))
+    merged, origins = merge_best_first(9, sources, budget)
+    merged.validate()
+    assert merged.num_nodes <= budget and list(merged.scores) == sorted(merged.scores, reverse=True)
+    for u in range(1, merged.size):
+        path = tuple(int(merged.tokens[v]) for v in merged.path(u))
+        proposed = [s for s, (tree, est) in enumerate(sources) for v in range(1, tree.size)
+                    if tuple(int(tree.tokens[w]) for w in tree.path(v)) == path]
+        assert sorted(s for s, _ in origins[u]) == sorted(proposed)
+        parent = merged.scores[int(merged.parents[u])]
+        best = max(sources[s][1][v] for s, v in origins[u])
+        assert merged.scores[u] == pytest.approx(min(best, parent))
+    union = {tuple(int(t.tokens[w]) for w in t.path(v)) for t, _ in sources for v in range(1, t.size)}
+    assert merged.num_nodes == min(budget, len(union))
+
+
+def test_head_keeps_a_tree():
+    tree = DraftTree.from_parents([-1, 0, 0, 1, 2], [5, 1, 2, 3, 4])
+    head = tree.head(3)
+    assert head.parents.tolist() == [-1, 0, 0] and head.tokens.tolist() == [5, 1, 2]
+    assert tree.head(10) is tree
+    with pytest.raises(ValueError, match="at least its root"):
+        tree.head(0)
