@@ -61,9 +61,10 @@ COPY_DEPTHS, COPY_SHARES = 8, 4  # copy nodes: depth 1..8 (deeper in the last) x
 
 
 def model_calibrator() -> Calibrator:
-    """For a model's prefix probability q: bin b holds -log q in [b/2, (b+1)/2) nats; prior: q itself."""
+    """For a model's prefix probability q: bin b holds -log q in [b/2, (b+1)/2) nats; prior q / 2 (drafters
+    are overconfident far more often than not, and a bin earns its estimate from what the target accepts)."""
     centres = torch.arange(MODEL_BINS, dtype=torch.float64) + 0.5
-    return Calibrator(torch.exp(-MODEL_BIN_NATS * centres)[None])
+    return Calibrator(0.5 * torch.exp(-MODEL_BIN_NATS * centres)[None])
 
 
 def model_bins(scores: Sequence[float]) -> list[int]:
@@ -71,10 +72,11 @@ def model_bins(scores: Sequence[float]) -> list[int]:
 
 
 def copy_calibrator() -> Calibrator:
-    """For copy nodes by (share of agreeing matches, depth); prior 0.4 · share · 0.7^(depth-1)."""
+    """For copy nodes by (share of agreeing matches, depth); prior 0.15 · share · 0.6^(depth-1), low until the
+    text shows that it repeats itself."""
     share = (torch.arange(COPY_SHARES, dtype=torch.float64) + 1) / COPY_SHARES
     depth = torch.arange(COPY_DEPTHS, dtype=torch.float64)
-    return Calibrator(0.4 * share[:, None] * 0.7 ** depth[None])
+    return Calibrator(0.15 * share[:, None] * 0.6 ** depth[None])
 
 
 def copy_bins(tree: DraftTree) -> list[int]:

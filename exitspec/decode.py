@@ -285,15 +285,18 @@ class SpeculativeDecoder:
                 forward = target.forward_tree(tree)
             with timer("verify"):
                 probs = target_probs(forward.logits, params)  # [N+1, V]
-                flow = tree_flow(tree, probs)  # P, rho, w (Eqs. 1–5) of the tree just verified
-                verdict = DECIDERS[verifier](tree, probs, generator, flow)
+                if tree.num_nodes:
+                    flow = tree_flow(tree, probs)  # P, rho, w (Eqs. 1–5) of the tree just verified
+                    verdict = DECIDERS[verifier](tree, probs, generator, flow)
+                else:  # a root alone: every saturated verifier exits there (w = 1) and draws from p_root
+                    flow, verdict = None, Verdict([], int(sample_rows(probs[0], generator)))
             with timer("commit"):
                 target.commit(tree, verdict.path)
                 kept = [0, *verdict.path]
                 committed = forward.features[kept] if forward.features is not None else None
                 drafter.commit(tree.tokens[kept], committed)
-            coverage = float(flow.coverage)
-            if tree.num_nodes:
+            coverage = 0.0 if flow is None else float(flow.coverage)
+            if flow is not None:
                 drafter.observe(tree, flow.reach)
             if auto is not None:
                 stage = timer.last

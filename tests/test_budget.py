@@ -74,7 +74,7 @@ def test_auto_budget_tries_both_kinds_then_prefers_the_faster_and_keeps_explorin
 
 def test_calibrator_learns_realised_reach_and_stays_monotone():
     calibrator = model_calibrator()
-    assert calibrator.estimate(model_bins([1.0, 0.5]))[0] == pytest.approx(math.exp(-0.25))  # prior: q itself
+    assert calibrator.estimate(model_bins([1.0, 0.5]))[0] == pytest.approx(0.5 * math.exp(-0.25))  # prior: q / 2
     bins = model_bins([0.9, 0.3])
     for _ in range(300):
         calibrator.observe(bins, [0.2, 0.6])  # overconfident at the top, underconfident below

@@ -31,6 +31,8 @@ CELL = ("dataset", "temperature", "drafter", "budget", "verifier")
 CONFIG = ("drafter", "budget", "verifier")
 SETTING = ("temperature", "budget", "verifier")  # a column of the by-drafter tables
 PLOTS = ("tau_sr_vs_budget.png", "stages.png", "accepted_lengths.png")
+SIZE_BANDS = (("0", (0, 0)), ("1", (1, 1)), ("2", (2, 2)), ("3–4", (3, 4)), ("5–8", (5, 8)), ("9–16", (9, 16)),
+              ("17–32", (17, 32)), ("> 32", (33, 1 << 30)))  # the tree-size table's columns
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -285,6 +287,19 @@ def _report_markdown(envs: list[dict], table: dict, crossed: dict, paired: dict,
                      _num(c["sr_ar"], "×"), _num(c["sr_hf"], "×"),
                      "-" if c["matches_ar"] is None else f"{100 * c['matches_ar']:.0f}%"])
     lines += _markdown_table(header, body)
+    sized = [c for c in cells if c["tree_size_histogram"]]
+    if sized:
+        lines += ["", "## Tree sizes: share of rounds at each N (draft tokens verified)", ""]
+        header = ["Dataset", "T", "config", "mean N", *(label for label, _ in SIZE_BANDS)]
+        body = []
+        for c in sized:
+            counts = c["tree_size_histogram"]
+            rounds = sum(counts)
+            shares = [sum(counts[lo : hi + 1]) / rounds for _, (lo, hi) in SIZE_BANDS]
+            mean = sum(n * k for n, k in enumerate(counts)) / rounds
+            body.append([c["dataset"], f"{c['temperature']:g}", labels[tuple(c[f] for f in CONFIG)], f"{mean:.1f}",
+                         *(f"{100 * x:.0f}%" for x in shares)])
+        lines += _markdown_table(header, body)
     lines += ["", "## Time per generated token (ms)", ""]
     header = ["config", "T", "prefill", *STAGES, "total"]
     body = [[label, f"{t:g}", *(f"{v:.2f}" for v in ms)] for label, t, ms in _stage_rows(cells, ar)]

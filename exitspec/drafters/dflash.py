@@ -93,6 +93,7 @@ class DFlashDrafter:
         self.block_size = cfg.block_size
         self.vocab_size = vocab
         self.cache = DraftCache()
+        self._pending: list[Tensor] = []  # committed features [n, F] not yet projected into the cache
         self.copy = NgramDrafter() if copy_source else None
         self.reset_calibration()
 
@@ -121,7 +122,8 @@ class DFlashDrafter:
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
         """prompt_ids [L]; features [L-1, F] of prompt_ids[:-1]: the draft cache becomes exactly those."""
         self.cache.clear()
-        self._append(features, expected=prompt_ids.numel() - 1)
+        self._check_features(features, prompt_ids.numel() - 1)
+        self._pending = [features]
 
     @torch.no_grad()
     def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> DFlashProposal:
@@ -132,6 +134,7 @@ class DFlashDrafter:
     @torch.no_grad()
     def marginals(self, context_ids: Tensor, max_depth: int) -> Tensor:
         """Per-depth logits [H, V] (fp32), H = min(block_size−1, max_depth), for the tokens after context_ids[-1]."""
+        self._flush()
         ctx_len = context_ids.numel() - 1
         if ctx_len != self.cache.length:
             raise RuntimeError(
@@ -167,8 +170,10 @@ class DFlashDrafter:
 
     @torch.no_grad()
     def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
-        """committed_ids [n]: root + accepted path, now in the target cache; features [n, F] extend the draft cache."""
-        self._append(features, expected=committed_ids.numel())
+        """committed_ids [n]: root + accepted path, now in the target cache; features [n, F] extend the draft
+        cache. They are projected lazily, all at once, by the next block forward (cheap rounds skip it)."""
+        self._check_features(features, committed_ids.numel())
+        self._pending.append(features)
 
     # -- internals -----------------------------------------------------------------------------------------
 
@@ -176,7 +181,7 @@ class DFlashDrafter:
     def _dtype(self) -> torch.dtype:
         return self.model.fc.weight.dtype
 
-    def _append(self, features: Tensor | None, expected: int) -> None:
+    def _check_features(self, features: Tensor | None, expected: int) -> None:
         cfg = self.model.config
         if features is None or features.shape != (expected, cfg.feature_size):
             got = None if features is None else tuple(features.shape)
@@ -184,7 +189,16 @@ class DFlashDrafter:
                 f"DFlash needs features [{expected}, {cfg.feature_size}] (target layers {list(self.feature_layers)} "
                 f"concatenated), got {got}"
             )
+
+    def _flush(self) -> None:
+        """Projects the features committed since the last block forward into the draft cache, in one call."""
+        if not self._pending:
+            return
+        features = torch.cat(self._pending).to(self.device, self._dtype)  # [n, F]
+        self._pending = []
+        if features.shape[0] == 0:
+            return
         start = self.cache.length
-        positions = torch.arange(start, start + expected, device=self.device)[None]  # [1, n]
-        k, v = self.model.context_kv(features.to(self.device, self._dtype)[None], positions)
+        positions = torch.arange(start, start + features.shape[0], device=self.device)[None]  # [1, n]
+        k, v = self.model.context_kv(features[None], positions)
         self.cache.append(k, v)
