@@ -62,7 +62,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--budget", type=parse_budget, default="auto", metavar="B|auto|auto:B",
+    p.add_argument("--budget", default="auto", metavar="B|auto|auto:B",
                    help="draft tokens per tree: a fixed B, or auto (default; each round the size up to 32, or up to "
                         "B with auto:B, that maximises expected tokens per second)")
     p.add_argument("--verifier", default="tev", choices=sorted(DECIDERS))
@@ -81,6 +81,7 @@ def _generate(args) -> int:
     if args.verifier == "greedy" and args.temperature != 0:
         raise ValueError("the greedy verifier is exact only at temperature 0; use predraw, sequential or tev")
     args.drafter = args.drafter or default_drafter(args.model)
+    args.budget = parse_budget(args.budget)
     decoder = SpeculativeDecoder.from_pretrained(args.model, args.drafter, args.device, getattr(torch, args.dtype))
     settings = {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,

@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     p.add_argument("--rounds", type=int, default=8, help="decoding rounds to inspect")
-    p.add_argument("--budget", type=parse_budget, default=32, metavar="B|auto|auto:B",
+    p.add_argument("--budget", default="32", metavar="B|auto|auto:B",
                    help="draft tokens per tree (default 32; auto: the cost-aware size, see `generate --help`)")
     p.add_argument("--temperature", type=float, default=1.0, help="target warp (0 = greedy: one-hot exits)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -250,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main_inspect(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        args.budget = parse_budget(args.budget)
         if args.rounds < 1 or budget_cap(args.budget) < 1:
             raise ValueError(f"--rounds and --budget must be >= 1, got {args.rounds} and {args.budget}")
         prompt = [int(t) for t in args.prompt.replace(",", " ").split()] if args.ids else args.prompt

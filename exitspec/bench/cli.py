@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drafters", nargs="+", metavar="SPEC",
                    help=f"each one of: {DRAFTER_HELP}; or chain:SPEC for a drafter's best path. "
                         "The report pairs the last one listed against each other one")
-    s.add_argument("--budgets", type=parse_budget, nargs="+", metavar="B",
+    s.add_argument("--budgets", nargs="+", metavar="B",
                    help="draft tokens per tree: numbers, auto or auto:B (the cost-aware size; default 32)")
     s.add_argument("--verifiers", nargs="+", choices=sorted(DECIDERS), metavar="NAME",
                    help=f"among {', '.join(sorted(DECIDERS))} (default tev)")
@@ -106,7 +106,7 @@ def _run(args) -> int:
         if name in datasets:
             raise ValueError(f"two datasets are named {name!r}")
         datasets[name] = samples[: args.num_prompts]
-    budgets = args.budgets or list(preset.budgets)
+    budgets = [parse_budget(b) for b in args.budgets] if args.budgets else list(preset.budgets)
     plan = Plan(
         datasets,
         configs(
