@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from exitspec.target import synchronize
 from exitspec.tree import DraftTree
 
 AUTO = "auto"
@@ -99,11 +100,11 @@ class CostModel:
             tree = DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=device)
             runs = []
             for _ in range(repeats + 1):
-                _sync(device)
+                synchronize(device)
                 start = time.perf_counter()
                 target.forward_tree(tree)
                 target.commit(tree, [])
-                _sync(device)
+                synchronize(device)
                 runs.append(time.perf_counter() - start)
                 target.truncate(context)  # back to the same context for the next run
             seconds.append(sorted(runs[1:])[len(runs[1:]) // 2])
@@ -132,11 +133,6 @@ class CostModel:
         tmp.write_text(json.dumps({"sizes": model.sizes, "seconds": model.seconds}))
         tmp.replace(path)
         return model
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def best_size(scores, cost: CostModel, draft_seconds: float, cap: int) -> int:

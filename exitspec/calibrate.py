@@ -27,20 +27,28 @@ from exitspec.tree import DraftTree
 
 
 class Calibrator:
-    """Running means of realised reach probabilities per bin of a [rows, cols] grid, with priors."""
+    """Running means of realised reach probabilities per bin of a [rows, cols] grid, with priors.
+
+    Counts live in plain lists: `observe` runs every round on a few dozen nodes, where per-element tensor
+    indexing would cost more than the arithmetic."""
 
     def __init__(self, prior: Tensor, prior_weight: float = 4.0, decay: float = 0.995):
-        self.prior = prior.double()  # [rows, cols]
+        self.cols = prior.shape[-1]
+        self.prior = prior.double().flatten().tolist()  # [rows * cols], row-major
         self.prior_weight, self.decay = prior_weight, decay
-        self.mass = torch.zeros_like(self.prior)  # decayed sum of realised P(u)
-        self.count = torch.zeros_like(self.prior)  # decayed number of nodes
+        self.mass = [0.0] * len(self.prior)  # decayed sum of realised P(u)
+        self.count = [0.0] * len(self.prior)  # decayed number of nodes
         self._table: list[float] | None = None
 
     def table(self) -> list[float]:
         """Estimates of all bins, flat in row-major order, non-increasing along each row."""
         if self._table is None:
-            mean = (self.mass + self.prior_weight * self.prior) / (self.count + self.prior_weight)
-            self._table = torch.cummin(mean, dim=-1).values.flatten().tolist()
+            w = self.prior_weight
+            table = [(m + w * p) / (c + w) for m, p, c in zip(self.mass, self.prior, self.count)]
+            for b in range(len(table)):
+                if b % self.cols:
+                    table[b] = min(table[b], table[b - 1])
+            self._table = table
         return self._table
 
     def estimate(self, bins: Sequence[int]) -> list[float]:
@@ -49,10 +57,9 @@ class Calibrator:
 
     def observe(self, bins: Sequence[int], reach: Sequence[float]) -> None:
         """Adds the realised P(u) of nodes that fell in `bins` (flat indices)."""
-        mass, count = self.mass.view(-1), self.count.view(-1)
         for b, r in zip(bins, reach):
-            mass[b] = self.decay * mass[b] + r
-            count[b] = self.decay * count[b] + 1.0
+            self.mass[b] = self.decay * self.mass[b] + r
+            self.count[b] = self.decay * self.count[b] + 1.0
         self._table = None
 
 

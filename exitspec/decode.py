@@ -27,7 +27,7 @@ from exitspec.drafters import Drafter, default_drafter, load_drafter
 from exitspec.flow import tree_flow
 from exitspec.models import load_model_and_tokenizer
 from exitspec.sampling import SamplingParams, sample_rows, target_probs
-from exitspec.target import TargetModel
+from exitspec.target import TargetModel, synchronize
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS, Verdict, check_verifier
 
@@ -43,16 +43,12 @@ class StageTimer:
         self.seconds: dict[str, float] = defaultdict(float)
         self.last: dict[str, float] = defaultdict(float)  # each stage's latest interval
 
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     @contextmanager
     def __call__(self, stage: str):
-        self._sync()
+        synchronize(self.device)
         start = time.perf_counter()
         yield
-        self._sync()
+        synchronize(self.device)
         self.last[stage] = time.perf_counter() - start
         self.seconds[stage] += self.last[stage]
 

@@ -36,6 +36,12 @@ from exitspec.models import load_model_and_tokenizer
 from exitspec.tree import DraftTree
 
 
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (a no-op on the CPU), so that wall-clock timings cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass(frozen=True)
 class TreeForward:
     logits: Tensor  # [n, V] float32, one row per input token (tree node)
