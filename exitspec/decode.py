@@ -282,7 +282,7 @@ class SpeculativeDecoder:
             with timer("verify"):
                 probs = target_probs(forward.logits, params)  # [N+1, V]
                 if tree.num_nodes:
-                    flow = tree_flow(tree, probs)  # P, rho, w (Eqs. 1–5) of the tree just verified
+                    flow = tree_flow(tree, probs, check=False)  # P, rho, w (Eqs. 1–5) of the tree just verified
                     verdict = DECIDERS[verifier](tree, probs, generator, flow)
                 else:  # a root alone: every saturated verifier exits there (w = 1) and draws from p_root
                     flow, verdict = None, Verdict([], int(sample_rows(probs[0], generator)))

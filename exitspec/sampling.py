@@ -33,23 +33,26 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def check_finite(logits: Tensor) -> None:
-    """Raises ValueError naming the first row of `logits` [..., V] with a NaN or inf entry.
+def check_logits(logits: Tensor) -> None:
+    """Raises ValueError naming the first row of `logits` [..., V] that no distribution can come from.
 
-    A row sum is finite unless the row holds a NaN or inf (or overflows), so one reduction screens all rows;
-    the element-wise test only runs to find the culprit.
+    A row may hold -inf entries (a masked vocabulary, a logit processor's ban) as long as its maximum is
+    finite; NaN, +inf and all -inf rows are refused. The row maximum screens all three at once (max
+    propagates NaN), so valid input costs one reduction.
     """
-    if bool(torch.isfinite(logits.sum(dim=-1)).all()):
-        return
-    finite = torch.isfinite(logits).all(dim=-1)  # [...]
-    if not bool(finite.all()):
-        row = tuple(torch.nonzero(~finite)[0].tolist())
-        raise ValueError(f"logits contain NaN or inf (first bad row {row}); refusing to verify against them")
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
+    finite_max = torch.isfinite(logits.amax(dim=-1))  # [...]
+    if not bool(finite_max.all()):
+        row = tuple(torch.nonzero(~finite_max)[0].tolist())
+        raise ValueError(
+            f"logits row {row} holds NaN or +inf, or only -inf; refusing to verify against it"
+        )
 
 
 def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """[..., V] logits → [..., V] float32 target probabilities after temperature, top-k and top-p."""
-    check_finite(logits)
+    check_logits(logits)
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()

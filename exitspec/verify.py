@@ -11,8 +11,9 @@ draws the bonus token from the residual at v (flow.py, Eqs. 1–5), so the outpu
     tev         Tree Exit Verification: compute w level-parallel, draw one exit node v ~ w, then one bonus
                 y ~ residual(v). Two small draws instead of one draw per node.
 
-`verify(name, tree, logits, params, generator)` warps logits into the target distribution first
-(sampling.py); the `decide_*` functions take those probabilities directly.
+`verify(name, tree, logits, params, generator)` is the checked entry point: it validates the tree against
+the logits, warps them into the target distribution (sampling.py) and decides. The `decide_*` functions
+are the decode loop's unchecked path: they trust probabilities made by `target_probs`.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def decide_tev(
     caller. If rounding made w(v) > 0 at a node whose residual is empty (rho(v) is truly 0), that node is
     removed and the exit redrawn, which is the exact law.
     """
-    exit_mass = (flow or tree_flow(tree, probs)).exit.clone()  # [N+1]
+    exit_mass = (flow or tree_flow(tree, probs, check=False)).exit.clone()  # [N+1]
     while True:
         node = int(sample_rows(exit_mass, generator))
         residual = node_residual(tree, probs, node)  # [V]
@@ -139,8 +140,14 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None = None,
 ) -> Verdict:
-    """Warps logits [N+1, V] into the target distribution and runs verifier `name` on it."""
+    """Warps logits [N+1, V] into the target distribution and runs verifier `name` on it.
+
+    The library's checked entry point: the logits must have one row per node and a column for every tree
+    token; -inf entries are allowed where a row keeps a finite maximum (sampling.check_logits).
+    """
     check_verifier(name, params)
-    if logits.shape[0] != tree.size:
-        raise ValueError(f"got logits for {logits.shape[0]} nodes but the tree has {tree.size}")
-    return DECIDERS[name](tree, target_probs(logits, params), generator)
+    if logits.dim() != 2 or logits.shape[0] != tree.size:
+        raise ValueError(f"logits must be [N+1, V] = [{tree.size}, V] for this tree, got shape {tuple(logits.shape)}")
+    tree.validate(vocab_size=logits.shape[-1])
+    probs = target_probs(logits, params)  # [N+1, V]
+    return DECIDERS[name](tree, probs, generator, tree_flow(tree, probs, check=False))

@@ -18,7 +18,7 @@ from exitspec.check import (
     sample_verdicts,
 )
 from exitspec.sampling import SamplingParams
-from exitspec.tree import DraftTree
+from exitspec.tree import DraftTree, InvalidTreeError
 from exitspec.verify import DECIDERS, Verdict, _follow, check_verifier, decide_predraw, decide_sequential, verify
 
 VOCAB = 6
@@ -103,13 +103,33 @@ def test_bad_inputs_raise_clear_errors():
         verify("magic", tree, logits, SamplingParams())
     with pytest.raises(ValueError, match="temperature 0"):
         check_verifier("greedy", SamplingParams(temperature=1.0))
-    for bad in (float("nan"), float("inf"), float("-inf")):
+    for bad in (float("nan"), float("inf")):
         broken = logits.clone()
         broken[1, 3] = bad
-        with pytest.raises(ValueError, match="NaN or inf"):
+        with pytest.raises(ValueError, match=r"row \(1,\) holds NaN or \+inf"):
             verify("tev", tree, broken, SamplingParams())
-    with pytest.raises(ValueError, match="tree has 3"):
+    with pytest.raises(ValueError, match="only -inf"):
+        verify("tev", tree, logits.index_fill(0, torch.tensor([2]), float("-inf")), SamplingParams())
+    with pytest.raises(ValueError, match=r"\[N\+1, V\] = \[3, V\]"):
         verify("tev", tree, torch.zeros(2, VOCAB), SamplingParams())
+    with pytest.raises(ValueError, match=r"got shape \(6,\)"):
+        verify("tev", tree, torch.zeros(VOCAB), SamplingParams())
+    with pytest.raises(InvalidTreeError, match="token 2 outside the vocabulary \\[0, 2\\)"):
+        verify("tev", tree, torch.zeros(3, 2), SamplingParams())
+
+
+def test_masked_logits_are_verified_exactly():
+    """-inf entries (a banned token, a masked vocabulary) are legitimate: the banned token is never emitted."""
+    tree = DraftTree.chain(0, [1, 2])
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 1] = float("-inf")  # the drafted token 1 is banned everywhere
+    gen = torch.Generator().manual_seed(0)
+    for name in ("predraw", "sequential", "tev"):
+        for _ in range(200):
+            verdict = verify(name, tree, logits, SamplingParams(), gen)
+            assert verdict.path == [] and verdict.bonus != 1
+    greedy = verify("greedy", tree, logits, SamplingParams(temperature=0.0))
+    assert greedy.path == [] and greedy.bonus == 0
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):

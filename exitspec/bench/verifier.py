@@ -46,7 +46,7 @@ from torch import Tensor
 from exitspec.build import build_ddtree
 from exitspec.decode import encode_prompt
 from exitspec.drafters import DFlashDrafter, load_drafter
-from exitspec.flow import tree_flow
+from exitspec.flow import check_probs, tree_flow
 from exitspec.models import load_model_and_tokenizer
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.target import TargetModel
@@ -148,7 +148,7 @@ def time_pair(
     """Seconds per call of the warp ("warp") and of every verifier on one pair, `repeats` samples each."""
     probs = target_probs(logits, params)  # [N+1, V], shared by the stochastic verifiers
     greedy_probs = target_probs(logits, SamplingParams(temperature=0.0))  # [N+1, V] one-hot
-    calls = {"warp": lambda t: target_probs(logits, params)}
+    calls = {"warp": lambda t: target_probs(logits, params), "check": lambda t: check_probs(t, probs)}
     for name in VERIFIERS:
         p = greedy_probs if name == "greedy" else probs
         calls[name] = lambda t, decide=DECIDERS[name], p=p: decide(t, p, gen)
@@ -177,7 +177,7 @@ def run_bench(
             for tree, logits in budget_pairs:
                 for name, seconds in time_pair(tree, logits, params, repeats, warmup, gen).items():
                     pooled[name] += seconds
-                coverage.append(float(tree_flow(tree, target_probs(logits, params)).coverage))  # E[accepted]
+                coverage.append(float(tree_flow(tree, target_probs(logits, params), check=False).coverage))  # E[accepted]
             med = {name: 1e3 * statistics.median(s) for name, s in pooled.items()}
             stage = {  # warp + decision of the same repeat
                 name: 1e3 * statistics.median(w + d for w, d in zip(pooled["warp"], pooled[name]))
@@ -213,8 +213,11 @@ def print_tables(result: dict, console: Console) -> None:
     )
     for col in ("B", "N", "T", "C_p", "predraw", "TEV", "speedup", "seq", "greedy@T0"):
         decision.add_column(col, justify="right")
-    stage = Table(title="Verify stage = warp (target_probs) + decision: median ms")
-    for col in ("B", "T", "warp", "warp+predraw", "warp+TEV", "speedup"):
+    stage = Table(
+        title="Verify stage = warp (target_probs) + decision: median ms",
+        caption="check_probs: the input check of the public tree_flow/verify, which the decode loop skips",
+    )
+    for col in ("B", "T", "warp", "warp+predraw", "warp+TEV", "speedup", "check_probs"):
         stage.add_column(col, justify="right")
     for row in result["rows"]:
         m, s = row["median_ms"], row["stage_median_ms"]
@@ -223,7 +226,8 @@ def print_tables(result: dict, console: Console) -> None:
         shape = (b, f"{row['nodes']:.0f}", t, f"{row['coverage']:.2f}")
         decision.add_row(*shape, predraw, tev, f"{row['speedup']:.2f}x", seq, greedy)
         stage.add_row(
-            b, t, f"{m['warp']:.3f}", f"{s['predraw']:.3f}", f"{s['tev']:.3f}", f"{row['stage_speedup']:.2f}x"
+            b, t, f"{m['warp']:.3f}", f"{s['predraw']:.3f}", f"{s['tev']:.3f}", f"{row['stage_speedup']:.2f}x",
+            f"{m['check']:.3f}" if "check" in m else "-",
         )
     console.print(decision)
     console.print(stage)

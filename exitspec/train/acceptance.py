@@ -80,7 +80,7 @@ def measure_acceptance(
             trees = build_anchor_trees(draft_logits, ids.gather(1, picked), keep, budget)  # [B*N, M]
             logits = tree_logits(target, ids, picked, trees)  # [B*N, M, V]
             for temperature in temperatures:
-                flow = tree_flow(trees, target_probs(logits, SamplingParams(temperature)))
+                flow = tree_flow(trees, target_probs(logits, SamplingParams(temperature)), check=False)
                 sums[budget, temperature].add(flow.reach, flow.exit, trees.depths, kept)
         bar.update(count)
     bar.close()

@@ -58,7 +58,7 @@ def node_weights(
     """Detached ω [T, M] of the module docstring and the coverage C_p [T], from target probs [T, M, V]."""
     if weight not in ("exit", "prefix"):
         raise ValueError(f"node weights are 'exit' or 'prefix', got {weight!r}")
-    flow = tree_flow(trees, probs.detach())
+    flow = tree_flow(trees, probs.detach(), check=False)
     counted = trees.valid & (trees.depths > 0)  # [T, M]: non-root nodes (padding has depth 1 but valid False)
     if exclude_horizon_leaves:
         counted &= trees.depths < horizon
