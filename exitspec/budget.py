@@ -34,29 +34,8 @@ import torch
 from exitspec.target import synchronize
 from exitspec.tree import DraftTree
 
-AUTO = "auto"
-AUTO_CAP = 32  # the largest tree `--budget auto` builds unless given auto:B
 GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 EXPLORE_EVERY = 8
-
-
-def parse_budget(value: str | int) -> int | str:
-    """`B` (a fixed budget of B draft tokens, B >= 0), `auto` (cost-aware, at most 32) or `auto:B`."""
-    text = str(value).strip().lower()
-    if text == AUTO:
-        return f"{AUTO}:{AUTO_CAP}"
-    try:
-        cap = int(text[len(AUTO) + 1 :]) if text.startswith(f"{AUTO}:") else int(text)
-    except ValueError:
-        raise ValueError(f"budget must be a number of draft tokens, 'auto' or 'auto:B'; got {value!r}") from None
-    if cap < 0:
-        raise ValueError(f"budget must be >= 0 draft tokens per round, got {cap}")
-    return f"{AUTO}:{cap}" if text.startswith(AUTO) else cap
-
-
-def budget_cap(budget: int | str) -> int:
-    """The most draft tokens a round may hold under `budget` (parsed)."""
-    return int(str(budget).split(":")[1]) if isinstance(budget, str) else budget
 
 
 @dataclass

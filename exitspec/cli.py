@@ -1,4 +1,4 @@
-"""Command line: `exitspec generate | check | inspect | bench | train`.
+"""Command line: `exitspec generate | check | inspect | bench | latency | train {dflash, exit, eval}`.
 
     exitspec generate "Why is the sky blue?"                 # default model, greedy, streamed
     exitspec generate "..." --temperature 1 --compare        # plus speedup over autoregressive decoding
@@ -6,83 +6,122 @@
     exitspec check                                           # verifier-law check on random trees
     exitspec inspect "..." --rounds 8                        # where the target's mass leaves the trees (+ PNG)
     exitspec bench --preset table1 --num-prompts 20          # τ and SR per dataset, report + plots
+    exitspec latency --budgets 32 64                         # the verifier decision's latency alone
+    exitspec train dflash --steps 2000                       # train a DFlash drafter on target rollouts
+
+One argparse tree: every command takes the shared option groups of exitspec.app (model and machine,
+sampling, --debug), every value is checked while parsing, before any model loads, and every user error
+ends as one line on stderr with exit code 2 (`--debug` shows the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import statistics
 import sys
+from pathlib import Path
 
-import torch
+from exitspec import setup_cpu
+from exitspec.bench.datasets import BUILTIN
+from exitspec.bench.presets import PRESETS
+from exitspec.options import (
+    DRAFTER_HELP,
+    MAX_BUDGET,
+    VERIFIERS,
+    Parser,
+    budget_option,
+    common_options,
+    drafter_option,
+    integer,
+    model_options,
+    option,
+    real,
+    run_command,
+    sampling_options,
+    text,
+)
+from exitspec.train.config import WEIGHT_MODES, TrainConfig
 
-from exitspec.budget import parse_budget
-from exitspec.drafters import DRAFTER_HELP
-from exitspec.verify import DECIDERS
+RAW = argparse.RawDescriptionHelpFormatter
+DEFAULTS = type("DefaultsFormatter", (RAW, argparse.ArgumentDefaultsHelpFormatter), {})  # docstring + defaults
+
+
+def build_parser() -> Parser:
+    """The whole command line. It imports no torch: each command's code loads only once its options are valid.
+
+    Each command stores its runner as args.run ("module:function") and its name as args.prog.
+    """
+    common, model, sampling = common_options(), model_options(), sampling_options()
+    train_model = model_options(("--model", "--target"))
+    parser = Parser(prog="exitspec", description="Exact tree speculative decoding.", parents=[common])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(group, name: str, help: str, parents: list, run: str, formatter=RAW) -> argparse.ArgumentParser:
+        p = group.add_parser(name, help=help, description=help, parents=[common, *parents], formatter_class=formatter)
+        p.set_defaults(run=run, prog=p.prog)
+        return p
+
+    _add_generate(command(commands, "generate", "generate text with exact tree speculative decoding",
+                          [model, sampling], "exitspec.cli:generate"))
+    _add_check(command(commands, "check", "check every verifier's output law on random trees", [], "exitspec.cli:check"))
+    _add_inspect(command(commands, "inspect", "where the target's mass leaves the draft trees (exit law per round)",
+                         [model, sampling], "exitspec.inspect:run"))
+    _add_bench(command(commands, "bench", "τ and speedup (SR) on datasets: paper-style tables, report and plots",
+                       [model, sampling_options(many=True)], "exitspec.bench.cli:run"))
+    _add_latency(command(commands, "latency", "latency of the verifier decision alone, predraw vs TEV (table 3)",
+                         [model], "exitspec.bench.verifier:run"))
+    train = commands.add_parser("train", help="train a drafter, or measure held-out acceptance", parents=[common])
+    stages = train.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    _add_train(command(stages, "dflash", "train a DFlash drafter on the target's rollouts (or make them)",
+                       [train_model], "exitspec.train.cli:run_train", DEFAULTS), "dflash")
+    _add_train(command(stages, "exit", "train dflash plus the exit-weighted loss (ExitTrain)",
+                       [train_model], "exitspec.train.cli:run_train", DEFAULTS), "exit")
+    _add_eval(command(stages, "eval", "held-out E[τ] = 1 + C_p of DFlash drafters, exact and without decoding",
+                      [train_model], "exitspec.train.cli:run_eval_command", DEFAULTS))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["inspect"]:  # their own parsers, so that `exitspec inspect --help` reaches them
-        from exitspec.inspect import main_inspect
-
-        return main_inspect(argv[1:])
-    if argv[:1] == ["bench"]:
-        from exitspec.bench.cli import main_bench
-
-        return main_bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="exitspec", description="Exact tree speculative decoding.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    _add_generate(commands.add_parser("generate", help="generate text with exact tree speculative decoding"))
-    _add_check(commands.add_parser("check", help="check every verifier's output law on random trees"))
-    commands.add_parser("inspect", help="where the target's mass leaves the draft trees (`exitspec inspect --help`)")
-    commands.add_parser("bench", help="τ and speedup on datasets, paper-style tables (`exitspec bench --help`)")
-    train = commands.add_parser("train", help="train a drafter (see `exitspec train dflash --help`)")
-    train.add_argument("what", choices=["dflash", "exit", "eval"])
-    train.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    """Parses argv (default: sys.argv), runs the command, returns its exit code (2: bad input)."""
+    setup_cpu()
     try:
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "check":
-            return _check(args)
-        from exitspec.train.cli import main_dflash, main_eval, main_exit
-
-        return {"dflash": main_dflash, "exit": main_exit, "eval": main_eval}[args.what](args.rest)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
-        print(f"exitspec: error: {err}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as done:  # --help, or an option refused while parsing (one line already printed)
+        return done.code or 0
+    module, function = args.run.split(":")
+    return run_command(args.prog, lambda a: getattr(importlib.import_module(module), function)(a), args)
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="the user message (sent through the chat template)")
-    p.add_argument("--model", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--budget", default="auto", metavar="B|auto|auto:B",
+    p.add_argument("prompt", type=text("prompt"), help="the user message (sent through the chat template)")
+    drafter_option(p)
+    p.add_argument("--max-new-tokens", type=integer(1), default=128)
+    p.add_argument("--budget", type=budget_option, default="auto", metavar="B|auto|auto:B",
                    help="draft tokens per tree: a fixed B, or auto (default; each round the size up to 32, or up to "
                         "B with auto:B, that maximises expected tokens per second)")
-    p.add_argument("--verifier", default="tev", choices=sorted(DECIDERS))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verifier", default="tev", choices=VERIFIERS)
     p.add_argument("--no-chat", action="store_true", help="encode the prompt as plain text, no chat template")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--compare", action="store_true", help="also decode autoregressively and report the speedup")
+    p.add_argument("--compare", action="store_true",
+                   help="also decode autoregressively, alternating runs, and report the speedup's median and range")
+    p.add_argument("--repeats", type=integer(1, 100), default=3,
+                   help="with --compare: speculative/autoregressive run pairs, alternated (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
 
 
-def _generate(args) -> int:
-    from exitspec.decode import SpeculativeDecoder, generate_autoregressive
+def generate(args) -> int:
+    from exitspec.app import check_budgets, load_decoders, resolve_device
+    from exitspec.decode import generate_autoregressive
     from exitspec.drafters import default_drafter
+    from exitspec.sampling import SamplingParams
+    from exitspec.verify import check_verifier
 
-    if args.verifier == "greedy" and args.temperature != 0:
-        raise ValueError("the greedy verifier is exact only at temperature 0; use predraw, sequential or tev")
+    check_verifier(args.verifier, SamplingParams(args.temperature, args.top_k, args.top_p))
     args.drafter = args.drafter or default_drafter(args.model)
-    args.budget = parse_budget(args.budget)
-    decoder = SpeculativeDecoder.from_pretrained(args.model, args.drafter, args.device, getattr(torch, args.dtype))
+    resolve_device(args.device)
+    check_budgets([args.budget], args.model, args.device)
+    decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads)[args.drafter]
     settings = {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat,
@@ -93,8 +132,13 @@ def _generate(args) -> int:
         generate_autoregressive(decoder.target, args.prompt, **dict(settings, max_new_tokens=4))
     stream = None if args.json else lambda text: print(text, end="", flush=True)
     result = decoder.generate(args.prompt, stream=stream, **spec_settings)
-    baseline = generate_autoregressive(decoder.target, args.prompt, **settings) if args.compare else None
-    speedup = baseline.total_seconds / result.total_seconds if baseline else None
+    speedups, baseline = [], None
+    for i in range(args.repeats if args.compare else 0):  # spec, base, spec, base, ...: load drift hits both
+        if not args.json:
+            print(f"\n[compare {i + 1}/{args.repeats}: autoregressive run ...]", end="", file=sys.stderr, flush=True)
+        baseline = generate_autoregressive(decoder.target, args.prompt, **settings)
+        spec = result if i == 0 else decoder.generate(args.prompt, **spec_settings)
+        speedups.append(baseline.total_seconds / spec.total_seconds)
     if args.json:
         out = {
             "prompt": args.prompt,
@@ -106,7 +150,8 @@ def _generate(args) -> int:
         }
         if baseline:
             out["autoregressive"] = baseline.summary()
-            out["speedup"] = speedup
+            out["speedup"] = statistics.median(speedups)
+            out["speedups"] = speedups
             out["identical_to_autoregressive"] = baseline.tokens == result.tokens
         print(json.dumps(out))
         return 0
@@ -116,24 +161,165 @@ def _generate(args) -> int:
         f"{len(result.rounds)} rounds · mean C_p {result.mean_coverage:.2f} · {args.verifier}, B={args.budget} (mean N {mean_n:.1f})"
     )
     if baseline:
-        line += f" · speedup {speedup:.2f}× over autoregressive ({baseline.tokens_per_second:.1f} tok/s)"
+        line += (f" · speedup {statistics.median(speedups):.2f}× over autoregressive (median of {len(speedups)} "
+                 f"alternated pairs, range {min(speedups):.2f}–{max(speedups):.2f}; "
+                 f"{baseline.tokens_per_second:.1f} tok/s)")
     print(line + "]", file=sys.stderr)
     return 0
 
 
+def _add_inspect(p: argparse.ArgumentParser) -> None:
+    """inspect's own options; the model, sampling and common options come from app's shared groups."""
+    p.add_argument("prompt", type=text("prompt"), help="the user message (chat template), or token ids with --ids")
+    p.add_argument("--ids", action="store_true", help="the prompt is token ids separated by spaces or commas")
+    drafter_option(p)
+    p.add_argument("--rounds", type=integer(1), default=8, help="decoding rounds to inspect")
+    p.add_argument("--budget", type=budget_option, default=32, metavar="B|auto|auto:B",
+                   help="draft tokens per tree (default 32; auto: the cost-aware size, see `generate --help`)")
+    p.add_argument("--verifier", default="tev", choices=VERIFIERS)
+    p.add_argument("--top", type=integer(1), default=5, help="most-exited nodes shown per round")
+    p.add_argument("--plot", default="exitspec-inspect.png", help="PNG path ('' for no plot)")
+    p.add_argument("--plot-round", type=integer(0), default=0, help="the round whose tree is drawn")
+    p.add_argument("--no-chat", action="store_true", help="encode the prompt as plain text, no chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(temperature=1.0)  # the exit law is most telling on a sampled target
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    """bench's own options; the model, sampling and common options come from app's shared groups."""
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a paper table (see exitspec/bench/presets.py)")
+    d = p.add_argument_group("prompts")
+    d.add_argument("--datasets", nargs="+", metavar="NAME", help=f"built-in sets among {', '.join(BUILTIN)} "
+                   "(default: all four, unless --prompts or --hf-dataset is given)")
+    d.add_argument("--prompts", nargs="+", default=[], metavar="FILE",
+                   help='JSONL, a line each: {"prompt": s} | {"messages": [...]} | {"turns": [...]} | {"prompt_ids": [...]}')
+    d.add_argument("--hf-dataset", nargs="+", default=[], metavar="ID[:SPLIT[:FIELD]]",
+                   help="Hugging Face datasets (needs the `datasets` package and the network)")
+    d.add_argument("--data-dir", type=Path, metavar="DIR", help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
+    d.add_argument("--num-prompts", type=integer(1), metavar="N", help="the first N samples of each dataset (default: all)")
+    s = p.add_argument_group("settings (a preset's values unless given)")
+    s.add_argument("--drafters", nargs="+", metavar="SPEC",
+                   help=f"each one of: {DRAFTER_HELP}. The report pairs the last one listed against each other one")
+    s.add_argument("--budgets", type=budget_option, nargs="+", metavar="B",
+                   help="draft tokens per tree: numbers, auto or auto:B (the cost-aware size; default 32)")
+    s.add_argument("--verifiers", nargs="+", choices=VERIFIERS, metavar="NAME",
+                   help=f"among {', '.join(VERIFIERS)} (default tev)")
+    s.add_argument("--chain", action="store_const", const=True, help="also each drafter's chain at the largest budget")
+    s.add_argument("--max-new-tokens", type=integer(1), default=256, metavar="N", help="default 256")
+    s.add_argument("--repeats", type=integer(1), default=1, metavar="N", help="runs per prompt, seeds seed, seed+1, ...")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, metavar="DIR", help="results and report folder (default: runs/bench/<preset or custom>)")
+    o.add_argument("--limit", type=integer(0), metavar="N", help="measure at most N new rows, then stop (rerun to resume)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--report", type=Path, metavar="RESULTS", help="only write the report of a results JSONL")
+    o.add_argument("--compare", type=Path, nargs=2, metavar=("A", "B"), help="only compare two results JSONL files")
+
+
+def _add_latency(p: argparse.ArgumentParser) -> None:
+    """`exitspec latency`'s own options; the model and common options come from app's shared groups."""
+    p.add_argument("--budgets", type=integer(1), nargs="+", default=[16, 32, 64, 128])
+    p.add_argument("--temperatures", type=real(), nargs="+", default=[1.0, 0.6])
+    p.add_argument("--top-p", type=real(0.0, 1.0, low_open=True), default=1.0)
+    p.add_argument("--prompts", type=integer(1), default=4, help="trees per budget (at most 8 with a model: the built-in prompts)")
+    p.add_argument("--depth", type=integer(1), default=16, help="draft horizon H")
+    p.add_argument("--repeats", type=integer(1), default=50)
+    p.add_argument("--warmup", type=integer(0), default=5)
+    p.add_argument("--drafter", help="'dflash' or 'exittrain' (shipped drafters; dflash is the default for the default "
+                   "model), a DFlash checkpoint folder, or 'oracle' (the target's own log-probs; default otherwise)")
+    p.add_argument("--synthetic", action="store_true", help="random trees and logits instead of the model")
+    p.add_argument("--vocab", type=integer(2), default=49152, help="vocabulary of --synthetic (the default model's)")
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+
+
+def _add_train(p: argparse.ArgumentParser, command: str) -> None:
+    """The options of `exitspec train dflash`; `exit` adds the exit-loss group (dflash runs with the loss off).
+    The model, machine and common options come from app's shared groups (--model is also spelled --target)."""
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--rollouts", default="runs/rollouts", help="rollout folder")
+
+    g = p.add_argument_group("rollouts")
+    g.add_argument("--rollouts-only", action="store_true", help="make (or extend) the rollouts and exit")
+    g.add_argument("--data-dir", type=Path, help="default: $EXITSPEC_DATA, else shared/data next to the repo")
+    g.add_argument("--gsm8k", type=integer(-1), default=2000, help="GSM8K train prompts (-1: all 7473)")
+    g.add_argument("--sharegpt", type=integer(-1), default=2000, help="ShareGPT first-turn prompts (-1: all)")
+    g.add_argument("--max-prompt-tokens", type=integer(1), default=512, help="skip longer prompts")
+    g.add_argument("--max-new-tokens", type=integer(1), default=256)
+    g.add_argument("--temperature", type=real(), default=0.0, help="0: greedy")
+    g.add_argument("--gen-batch-size", type=integer(1, 4096), default=16, help="prompts per generate call")
+    g.add_argument("--shard-size", type=integer(1), default=64, help="prompts per JSONL shard")
+
+    t = p.add_argument_group("training")
+    d = TrainConfig(rollouts="", run_dir="")
+    t.add_argument("--run-dir", default=f"runs/{command}", help="checkpoints, log, final drafter")
+    t.add_argument("--init", help="start from this drafter checkpoint folder instead of a fresh drafter")
+    t.add_argument("--stop-at", type=integer(1), help="stop at this step (with a checkpoint); a later run resumes")
+    t.add_argument("--num-layers", type=integer(1, 64), default=d.num_layers, help="draft layers of a fresh drafter")
+    t.add_argument("--block-size", type=integer(2, 256), default=d.block_size, help="block size of a fresh drafter")
+    t.add_argument("--target-layers", type=option(lambda v: tuple(int(i) for i in v.split(",")), "layer list"),
+                   help="context layers of a fresh drafter, e.g. 15,27 (default: the DFlash reference's choice)")
+    t.add_argument("--context-window", type=integer(1),
+                   help="fresh drafter: blocks see only the last W context rows, in training and inference (default: all)")
+    t.add_argument("--steps", type=integer(1), default=d.steps, help="optimizer steps")
+    t.add_argument("--batch-size", type=integer(1), default=d.batch_size, help="sequences per process and step")
+    t.add_argument("--anchors", type=integer(1), default=d.anchors, help="blocks per sequence")
+    t.add_argument("--max-len", type=integer(2), default=d.max_len, help="cut sequences to this many tokens")
+    t.add_argument("--lr", type=real(0.0, low_open=True), default=d.lr, help="peak learning rate")
+    t.add_argument("--min-lr-ratio", type=real(0.0, 1.0), default=d.min_lr_ratio, help="cosine floor / lr")
+    t.add_argument("--warmup", type=integer(0), default=d.warmup, help="linear warmup steps")
+    t.add_argument("--weight-decay", type=real(), default=d.weight_decay, help="AdamW, on matrices only")
+    t.add_argument("--grad-clip", type=real(0.0, low_open=True), default=d.grad_clip, help="max gradient norm")
+    t.add_argument("--gamma", type=real(0.0, low_open=True), default=d.gamma,
+                   help="loss weight exp(-(k-1)/gamma) of block slot k; DFlash: 7 for block 16, 5 for 10, 4 for 8")
+    t.add_argument("--save-every", type=integer(1), default=d.save_every, help="checkpoint interval in steps")
+    t.add_argument("--log-every", type=integer(1), default=d.log_every, help="log interval in steps")
+    t.add_argument("--keep", type=integer(1), default=d.keep, help="checkpoints kept")
+    if command != "exit":
+        p.set_defaults(exit_weight=d.exit_weight, lam=d.lam, budget=d.budget, exclude_horizon_leaves=False)
+        return
+    x = p.add_argument_group("exit loss: L_tok + λ·L_exit on the drafter's own DDTrees (exitspec.train.exit_loss)")
+    x.add_argument("--weight", dest="exit_weight", choices=WEIGHT_MODES, default="exit",
+                   help="node weights: exit w(v) = P(v)·rho(v); prefix P(v) rescaled to the tree's exit mass; none")
+    x.add_argument("--lam", type=real(), default=1.0, help="λ")
+    x.add_argument("--budget", type=integer(1, MAX_BUDGET), default=d.budget,
+                   help="DDTree budget B of the trees the target scores")
+    x.add_argument("--exclude-horizon-leaves", action="store_true", help="drop the nodes at the block's last depth")
+
+
+def _add_eval(p: argparse.ArgumentParser) -> None:
+    """`exitspec train eval`'s own options; the model, machine and common options come from app's groups."""
+    p.add_argument("--drafters", nargs="+", default=["dflash"], metavar="SPEC",
+                   help="shipped drafters ('dflash', 'exittrain') or DFlash checkpoint folders")
+    p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mtbench"], metavar="NAME",
+                   help="benchmark sets (exitspec.bench.datasets); their first turns are the held-out prompts")
+    p.add_argument("--data-dir", type=Path, help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
+    p.add_argument("--num-prompts", type=integer(1), default=20, help="the first N samples of each dataset")
+    p.add_argument("--max-new-tokens", type=integer(1), default=128, help="length of the target's held-out responses")
+    p.add_argument("--rollouts", default="runs/heldout", help="held-out responses, cached per dataset here")
+    p.add_argument("--budgets", type=integer(1, MAX_BUDGET), nargs="+", default=[32], help="DDTree budgets B")
+    p.add_argument("--temperatures", type=real(), nargs="+", default=[0.0, 1.0], help="target warps")
+    p.add_argument("--anchors", type=integer(1), default=16, help="anchors per response")
+    p.add_argument("--batch-size", type=integer(1), default=1, help="responses per target forward")
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    p.add_argument("--no-progress", action="store_true")
+
+
 def _add_check(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draws", type=int, default=20_000, help="verifier runs per tree")
-    p.add_argument("--trees", type=int, default=2, help="random trees per sampling setting")
-    p.add_argument("--vocab", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draws", type=integer(100), default=20_000, help="verifier runs per tree")
+    p.add_argument("--trees", type=integer(1), default=2, help="random trees per sampling setting")
+    p.add_argument("--vocab", type=integer(2, 64), default=6)
+    p.add_argument("--seed", type=integer(0), default=0)
 
 
-def _check(args) -> int:
+def check(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from exitspec.check import check_law, law_case
     from exitspec.sampling import SamplingParams
+    from exitspec.verify import DECIDERS
 
     table = Table(title=f"Verifier law check: (exit node, bonus) ~ w(v)·p_res_v(y), {args.draws} draws per row")
     for col in ("verifier", "sampling", "tree", "nodes", "depth", "G-test p", "E[L]", "1 + C_p", "±3 s.e.", "ok"):

@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from exitspec.budget import AutoBudget, CostModel, budget_cap, parse_budget
+from exitspec.budget import AutoBudget, CostModel
 from exitspec.drafters import Drafter, default_drafter, load_drafter
 from exitspec.flow import tree_flow
 from exitspec.models import load_model_and_tokenizer
+from exitspec.options import budget_cap, parse_budget
 from exitspec.sampling import SamplingParams, sample_rows, target_probs
 from exitspec.target import TargetModel, synchronize
 from exitspec.tree import DraftTree

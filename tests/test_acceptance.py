@@ -13,7 +13,7 @@ from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.target import TargetModel
 from exitspec.train.acceptance import measure_acceptance
-from exitspec.train.cli import main_eval
+from exitspec.cli import main
 from exitspec.train.dflash_loss import DFlashObjective
 from exitspec.train.rollouts import Rollout
 from exitspec.train.trainer import RolloutData
@@ -87,5 +87,5 @@ def test_batches_and_several_settings_give_the_same_numbers(models):
 
 
 def test_eval_command_refuses_a_drafter_without_logits(capsys):
-    assert main_eval(["--drafters", "ngram"]) == 1
+    assert main(["train", "eval", "--drafters", "ngram"]) == 2
     assert "'ngram' has no draft logits" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import torch
 from tiny_models import save_tiny_llama
 
 from exitspec.bench import datasets
-from exitspec.bench.cli import main_bench
+from exitspec.cli import main
 from exitspec.bench.report import (
     drafter_table,
     drafter_table_markdown,
@@ -43,7 +43,7 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def full_run(setup):
     root, model_args = setup
-    assert main_bench([*model_args, *ARGS, "--out", str(root / "full")]) == 0
+    assert main(["bench", *model_args, *ARGS, "--out", str(root / "full")]) == 0
     return root / "full"
 
 
@@ -161,13 +161,13 @@ def test_a_killed_run_resumes_to_the_same_rows(setup, full_run, monkeypatch, cap
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", dies_on_the_fifth_call)
     with pytest.raises(KeyboardInterrupt):
-        main_bench([*model_args, *ARGS, "--out", str(out)])
+        main(["bench", *model_args, *ARGS, "--out", str(out)])
     monkeypatch.undo()
     measured = len(ResultsFile(out / "results.jsonl").rows)
     assert 0 < measured < 18
     with open(out / "results.jsonl", "a") as f:
         f.write('{"kind": "spec", "dataset": "to')  # a line torn by the kill
-    assert main_bench([*model_args, *ARGS, "--out", str(out)]) == 0
+    assert main(["bench", *model_args, *ARGS, "--out", str(out)]) == 0
     assert f"{18 - measured} rows measured" in capsys.readouterr().out
     lines = (out / "results.jsonl").read_text().splitlines()
     assert len(lines) == 2 + 18 and sum('"kind": "env"' in line for line in lines) == 2  # one env per session
@@ -187,7 +187,7 @@ def test_a_results_file_of_another_model_is_refused(setup, full_run, tmp_path, c
     _, model_args = setup
     save_tiny_llama(tmp_path / "other", vocab_size=32, seed=1)
     other = ["--model", str(tmp_path / "other"), *model_args[2:]]
-    assert main_bench([*other, *ARGS, "--out", str(full_run), "--limit", "1"]) == 2
+    assert main(["bench", *other, *ARGS, "--out", str(full_run), "--limit", "1"]) == 2
     assert "model_sha" in capsys.readouterr().err
 
 
@@ -207,7 +207,7 @@ def test_second_turn_follows_the_models_own_answer(tmp_path, capsys):
     (tmp_path / "chat.jsonl").write_text(json.dumps({"id": "c", "turns": ["w4 w5 w6 w4 w5", "w7 w8"]}) + "\n")
     argv = ["--model", str(tmp_path / "model"), "--prompts", str(tmp_path / "chat.jsonl"), "--out", str(tmp_path)]
     argv += ["--max-new-tokens", "12", "--no-progress"]
-    assert main_bench([*argv, "--limit", "1"]) == 0  # turn 1's baseline only; turn 2 then reads its answer back
+    assert main(["bench", *argv, "--limit", "1"]) == 0  # turn 1's baseline only; turn 2 then reads its answer back
     assert "1 rows measured" in capsys.readouterr().out and not (tmp_path / "report.md").exists()
     assert main_bench(argv) == 0
     rows = {(r["kind"], r["turn"]): r for r in ResultsFile(tmp_path / "results.jsonl").rows}
@@ -235,9 +235,9 @@ def test_chain_drafter_keeps_the_best_path():
 
 def test_bad_arguments_get_clear_errors(setup, tmp_path, capsys):
     _, model_args = setup
-    assert main_bench([*model_args, "--out", str(tmp_path), "--verifiers", "greedy", "--temperatures", "1"]) == 2
+    assert main(["bench", *model_args, "--out", str(tmp_path), "--verifiers", "greedy", "--temperatures", "1"]) == 2
     assert "no valid" in capsys.readouterr().err
-    assert main_bench(["--datasets", "nosuchset", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "--datasets", "nosuchset", "--out", str(tmp_path)]) == 2
     assert "unknown dataset 'nosuchset'" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
@@ -294,16 +294,20 @@ def test_hf_datasets_need_the_datasets_package():
 
 
 def test_table3_runs_the_verifier_benchmark(tmp_path, monkeypatch, capsys):
-    """The table3 preset hands its options to exitspec.bench.verifier and renders that result as Markdown."""
+    """The table3 preset hands its options to exitspec.bench.verifier.measure and renders the result as Markdown."""
     from exitspec.bench import verifier
 
-    real_main, seen = verifier.main, []
-    synthetic = ["--synthetic", "--vocab", "64", "--depth", "4", "--repeats", "2", "--warmup", "1"]
-    monkeypatch.setattr(verifier, "main", lambda argv: seen.append(argv) or real_main([*argv, *synthetic]))
+    real_measure, seen = verifier.measure, []
+    synthetic = {"synthetic": True, "vocab": 64, "depth": 4, "repeats": 2, "warmup": 1}
+
+    def measure(*args, **kwargs):
+        seen.append(kwargs)
+        return real_measure(*args, **{**kwargs, **synthetic})
+
+    monkeypatch.setattr(verifier, "measure", measure)
     argv = ["--preset", "table3", "--budgets", "4", "8", "--temperatures", "1", "--num-prompts", "2"]
-    assert main_bench([*argv, "--device", "cpu", "--out", str(tmp_path)]) == 0
-    assert seen[0][seen[0].index("--budgets") + 1 : seen[0].index("--budgets") + 3] == ["4", "8"]
-    assert seen[0][seen[0].index("--json") + 1] == str(tmp_path / "table3.json")
+    assert main(["bench", *argv, "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert seen[0]["budgets"] == [4, 8] and seen[0]["temperatures"] == [1.0] and seen[0]["prompts"] == 2
     md = (tmp_path / "table3.md").read_text()
     assert "| B | N | T | C_p | predraw ms | TEV ms | speedup |" in md and md.count("\n| 4 |") == 1
     assert json.loads((tmp_path / "table3.json").read_text())["budgets"] == [4, 8]

@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_llama
 
-from exitspec.budget import AutoBudget, CostModel, best_size, budget_cap, parse_budget
+from exitspec.budget import AutoBudget, CostModel, best_size
 from exitspec.build import build_trie, merge_best_first
 from exitspec.calibrate import Calibrator, model_bins, model_calibrator
+from exitspec.options import budget_cap, parse_budget
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 

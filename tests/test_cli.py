@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from exitspec.cli import main
 
@@ -31,3 +33,115 @@ def test_generate_json_and_stream_on_the_default_model(capsys):
     assert main(["generate", "Count from one to five.", "--max-new-tokens", "12", "--temperature", "0.8"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() and "τ" in captured.err
+
+
+# -- bad input: refused while parsing, in one line, before anything heavy loads ------------------------------
+
+BAD_OPTIONS = [
+    (["generate", ""], "the prompt is empty"),
+    (["generate", "hi", "--budget", "100000"], "over the limit of 4096"),
+    (["generate", "hi", "--budget", "auto:x"], "budget must be a number"),
+    (["generate", "hi", "--device", "foo"], "unknown device 'foo'"),
+    (["generate", "hi", "--top-p", "0"], "expected a number in (0, 1]"),
+    (["generate", "hi", "--temperature", "nan"], "out of range"),
+    (["generate", "hi", "--max-new-tokens", "0"], "out of range"),
+    (["check", "--draws", "-5"], "out of range"),
+    (["check", "--draws", "0"], "out of range"),
+    (["check", "--trees", "0"], "out of range"),
+    (["bench", "--num-prompts", "0"], "out of range"),
+    (["inspect", "x", "--rounds", "0"], "out of range"),
+    (["train", "dflash", "--lr", "-1"], "out of range"),
+    (["train", "exit", "--weight", "bogus"], "invalid choice"),
+    (["latency", "--budgets", "0"], "out of range"),
+]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Any attempt to load a model fails the test: bad options must be refused before that."""
+    import exitspec.app
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded for a command with a bad option")
+
+    monkeypatch.setattr(exitspec.app, "load_decoders", refuse)
+    monkeypatch.setattr(exitspec.app, "load_model_and_tokenizer", refuse)
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_OPTIONS)
+def test_bad_options_get_one_line_and_exit_code_2(argv, message, capsys, no_loading):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_parser_imports_no_torch():
+    """Parsing (and refusing) options is instant: the command line's modules import neither torch nor transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from exitspec.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_verifier_names_match_the_deciders():
+    from exitspec.options import VERIFIERS
+    from exitspec.verify import DECIDERS
+
+    assert sorted(VERIFIERS) == sorted(DECIDERS)
+
+
+def test_unavailable_devices_and_debug(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", "hi", "--device", "cuda", "--model", "/no/such/folder"]) == 2
+    assert "asked for CUDA, but none is available" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError):  # --debug: the traceback instead of the one line
+        main(["generate", "hi", "--model", "/no/such/folder", "--debug"])
+
+
+def test_budgets_are_checked_against_context_and_memory(tmp_path):
+    from transformers import LlamaConfig
+
+    from exitspec.app import check_budgets
+
+    LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=512).save_pretrained(tmp_path)
+    check_budgets([32, "auto:64"], tmp_path, "cpu")
+    with pytest.raises(ValueError, match="does not fit the context of 512 tokens"):
+        check_budgets([600], tmp_path, "cpu")
+    LlamaConfig(vocab_size=4_000_000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=8192).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="GiB per tree forward"):
+        check_budgets([4000], tmp_path, "cpu")  # 4001 rows of 4M-word logits: 64 GB and more
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["generate", "check", "inspect", "bench", "latency", "train dflash", "train eval"]),
+       st.lists(st.sampled_from(["--budget", "--budgets", "--top-p", "--top-k", "--temperature", "--seed",
+                                 "--draws", "--rounds", "--num-prompts", "--device", "--threads", "--steps",
+                                 "--lr", "--max-new-tokens", "--repeats", "--dtype", "--bogus"]), min_size=1, max_size=3),
+       st.lists(st.one_of(st.text(max_size=6), st.integers(-10**9, 10**9).map(str),
+                          st.sampled_from(["nan", "inf", "-inf", "-1", "0", "1e9", "auto:-3", "cuda:x"])),
+                min_size=1, max_size=3))
+def test_random_options_never_give_a_traceback(command, flags, values):
+    """Random option values: refused with exit code 2 and one line, or accepted by the parser; never a traceback."""
+    import contextlib
+    import io
+
+    argv = command.split() + (["hi"] if command in ("generate", "inspect") else [])
+    for flag, value in zip(flags, values * len(flags)):
+        argv += [flag, value]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        from exitspec.cli import build_parser
+
+        try:
+            build_parser().parse_args(argv)
+            return  # a valid command line: nothing to refuse
+        except SystemExit as done:
+            code = done.code
+    assert code == 2 and err.getvalue().count("\n") == 1 and "Traceback" not in err.getvalue()

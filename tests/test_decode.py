@@ -4,12 +4,13 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from exitspec.budget import CostModel, budget_cap, parse_budget
+from exitspec.budget import CostModel
 from exitspec.build import build_ddtree
 from exitspec.check import g_test_pvalue
 from exitspec.decode import SpeculativeDecoder, generate_autoregressive
 from exitspec.drafters import DFlashDrafter, NgramDrafter
 from exitspec.drafters.dflash_model import DFlashModel
+from exitspec.options import budget_cap, parse_budget
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 

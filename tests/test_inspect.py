@@ -12,7 +12,8 @@ from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters import load_drafter
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.flow import tree_flow
-from exitspec.inspect import main_inspect, tree_layout
+from exitspec.cli import main
+from exitspec.inspect import tree_layout
 from exitspec.models import load_model_and_tokenizer
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
@@ -36,7 +37,7 @@ def test_json_report_follows_the_exit_law_and_leaves_decoding_unchanged(folders,
     argv = [PROMPT, "--ids", "--model", str(folders / "model"), "--drafter", str(folders / "drafter"), "--rounds",
             str(ROUNDS), "--budget", str(BUDGET), "--temperature", str(TEMPERATURE), "--seed", str(SEED), "--top", "3",
             "--plot", str(png), "--json"]  # fmt: skip
-    assert main_inspect(argv) == 0
+    assert main(["inspect", *argv]) == 0
     out = json.loads(capsys.readouterr().out)
     assert png.read_bytes().startswith(PNG_MAGIC) and out["plot"] == str(png)
     rounds = out["rounds"]
@@ -82,7 +83,7 @@ def test_text_report_and_plot_with_the_ngram_drafter(folders, capsys):
     png = folders / "ngram.png"
     argv = [PROMPT, "--ids", "--model", str(folders / "model"), "--drafter", "ngram", "--rounds", "3", "--budget",
             "8", "--plot", str(png), "--plot-round", "1"]  # fmt: skip
-    assert main_inspect(argv) == 0
+    assert main(["inspect", *argv]) == 0
     out = capsys.readouterr().out
     assert "round 0: N=" in out and "round 2: N=" in out and "(root)" in out and "mean τ" in out
     assert png.read_bytes().startswith(PNG_MAGIC)
@@ -90,9 +91,9 @@ def test_text_report_and_plot_with_the_ngram_drafter(folders, capsys):
 
 def test_errors_are_clear(folders, capsys):
     model = ["--model", str(folders / "model"), "--plot", ""]
-    assert main_inspect(["hello", *model]) == 2
+    assert main(["inspect", "hello", *model]) == 2
     assert "no tokenizer" in capsys.readouterr().err
-    assert main_inspect([PROMPT, "--ids", "--rounds", "2", "--plot-round", "5", *model]) == 2
+    assert main(["inspect", PROMPT, "--ids", "--rounds", "2", "--plot-round", "5", *model]) == 2
     assert "--plot-round 5" in capsys.readouterr().err
 
 

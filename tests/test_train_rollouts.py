@@ -11,7 +11,7 @@ from tiny_models import save_tiny_llama, tiny_llama
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from exitspec.train.cli import main_dflash
+from exitspec.cli import main
 from exitspec.train.prompts import gsm8k_train, interleave, json_array_records
 from exitspec.train.rollouts import GenerationSettings, done_ids, load_rollouts, make_rollouts
 
@@ -151,10 +151,10 @@ def test_cli_rollouts_only(tmp_path):
         "--device",
         "cpu",
     ]
-    assert main_dflash(argv) == 0
+    assert main(["train", "dflash", *argv]) == 0
     rollouts = load_rollouts(tmp_path / "rollouts")
     assert [r.id for r in rollouts] == ["gsm8k-train/0", "gsm8k-train/2"]
     assert rollouts[0].prompt_ids == [2, 5, 6, 7, 1, 3]  # <user> w1 w2 w3 </s> <assistant>
     assert all(1 <= len(r.response_ids) <= 5 for r in rollouts)
-    assert main_dflash(argv[:-2] + ["--gsm8k", "-1"]) == 0  # extends: only gsm8k-train/3 is new
+    assert main(["train", "dflash", *argv[:-2]] + ["--gsm8k", "-1"]) == 0  # extends: only gsm8k-train/3 is new
     assert len(load_rollouts(tmp_path / "rollouts")) == 3

@@ -14,9 +14,10 @@ from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_llama
 
 from exitspec.train import dist
-from exitspec.train.cli import main_dflash
+from exitspec.cli import main
+from exitspec.train.config import TrainConfig
 from exitspec.train.rollouts import Rollout
-from exitspec.train.trainer import RolloutData, TrainConfig, make_drafter, train
+from exitspec.train.trainer import RolloutData, make_drafter, train
 
 
 @pytest.fixture(scope="module")
@@ -178,10 +179,10 @@ def test_cli_trains_and_reports_errors(setup, capsys):
         "--device",
         "cpu",
     ]
-    assert main_dflash(argv) == 0
+    assert main(["train", "dflash", *argv]) == 0
     assert (setup / "cli" / "final" / "model.safetensors").is_file()
     assert "accuracy by block position" in capsys.readouterr().out
-    assert main_dflash(argv[:2] + ["--rollouts", str(setup / "none"), "--run-dir", str(setup / "cli2")]) == 1
+    assert main(["train", "dflash", *argv[:2]] + ["--rollouts", str(setup / "none"), "--run-dir", str(setup / "cli2")]) == 2
     assert "--rollouts-only" in capsys.readouterr().err
 
 

@@ -1,7 +1,7 @@
-"""`python -m exitspec.bench ...` is `exitspec bench ...` (see exitspec/bench/cli.py)."""
+"""`python -m exitspec.bench ...` is `exitspec bench ...`."""
 
 import sys
 
-from exitspec.bench.cli import main_bench
+from exitspec.cli import main
 
-sys.exit(main_bench())
+sys.exit(main(["bench", *sys.argv[1:]]))

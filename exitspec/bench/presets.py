@@ -14,9 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exitspec.bench.runner import Config
-from exitspec.budget import budget_cap
-
 VERIFIER_LATENCY = "table3"  # runs exitspec.bench.verifier instead of the decode benchmark
 
 
@@ -35,10 +32,3 @@ PRESETS = {
     "table5": Preset(temperatures=(0.0, 1.0), budgets=(8, 16, 32, 64), chain=True),
 }
 CUSTOM = Preset()  # no --preset: greedy, tev, B = 32
-
-
-def configs(drafters: list[str], budgets: list[int], verifiers: list[str], chain: bool) -> list[Config]:
-    """Drafters x budgets x verifiers, preceded by each drafter's chain at the largest budget if `chain`."""
-    largest = max(budget_cap(b) for b in budgets)
-    chains = [Config(f"chain:{d}", largest, v) for d in drafters for v in verifiers] if chain else []
-    return chains + [Config(d, b, v) for d in drafters for b in budgets for v in verifiers]

@@ -24,8 +24,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from exitspec.bench.runner import ResultsFile, speedup
-from exitspec.budget import budget_cap
 from exitspec.decode import STAGES
+from exitspec.drafters.chain import CHAIN_PREFIX, split_chain
+from exitspec.options import budget_cap
 
 CELL = ("dataset", "temperature", "drafter", "budget", "verifier")
 CONFIG = ("drafter", "budget", "verifier")
@@ -457,10 +458,10 @@ def _markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
 def _drafter_name(spec: str) -> str:
     """"dflash", "ngram", a checkpoint folder's name (its run's name for a run's `final` folder), or "chain:" and
     one of those."""
-    if spec.startswith("chain:"):
-        return "chain:" + _drafter_name(spec[len("chain:") :])
-    folder = Path(spec)
-    return folder.parent.name if folder.name == "final" and folder.parent.name else folder.name
+    inner, chained = split_chain(spec)
+    folder = Path(inner)
+    name = folder.parent.name if folder.name == "final" and folder.parent.name else folder.name
+    return CHAIN_PREFIX + name if chained else name
 
 
 def _rate(tokens: int, seconds: float) -> float:

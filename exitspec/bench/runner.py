@@ -37,13 +37,13 @@ import transformers
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from exitspec.bench.datasets import Sample
-from exitspec.budget import parse_budget
 from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens, encode_prompt, generate_autoregressive
-from exitspec.drafters import Drafter, drafter_folder, load_drafter
-from exitspec.models import default_model_dir, load_model_and_tokenizer
+from exitspec.drafters import drafter_folder
+from exitspec.drafters.chain import CHAIN_PREFIX
+from exitspec.models import default_model_dir
+from exitspec.options import budget_cap, parse_budget
 from exitspec.sampling import SamplingParams
 from exitspec.target import TargetModel
-from exitspec.tree import DraftTree
 from exitspec.verify import check_verifier
 
 BASELINE_KEY = ("dataset", "prompt_id", "turn", "repeat", "seed", "temperature", "top_p", "top_k", "max_new_tokens")
@@ -58,6 +58,13 @@ class Config:
     drafter: str  # "dflash", "ngram", a DFlash folder, or "chain:<drafter>" (see ChainDrafter)
     budget: int | str  # B, or "auto:B" (budget.py)
     verifier: str
+
+
+def configs(drafters: list[str], budgets: list[int], verifiers: list[str], chain: bool) -> list[Config]:
+    """Drafters x budgets x verifiers, preceded by each drafter's chain at the largest budget if `chain`."""
+    largest = max(budget_cap(b) for b in budgets)
+    chains = [Config(CHAIN_PREFIX + d, largest, v) for d in drafters for v in verifiers] if chain else []
+    return chains + [Config(d, b, v) for d in drafters for b in budgets for v in verifiers]
 
 
 @dataclass(frozen=True)
@@ -206,47 +213,6 @@ class ResultsFile:
         self.append(env)
 
 
-class ChainDrafter:
-    """Plain chain speculative decoding with any drafter: the spine of its tree, the best child at each node.
-
-    Both builders (DDTree best-first, weighted trie) list nodes in descending score, so a node's first child
-    is its best one. `chain:D` in a drafter list names this wrapper around D.
-    """
-
-    def __init__(self, inner: Drafter):
-        self.inner = inner
-        self.feature_layers = inner.feature_layers
-
-    def begin(self, prompt_ids, features) -> None:
-        self.inner.begin(prompt_ids, features)
-
-    def propose(self, context_ids, max_depth: int, cheap: bool = False):
-        return self.inner.propose(context_ids, max_depth, cheap)
-
-    def build(self, proposal, root_token: int, budget: int) -> DraftTree:
-        tree = self.inner.build(proposal, root_token, budget)
-        spine, node = [0], 0
-        while tree.children[node]:
-            node = tree.children[node][0]
-            spine.append(node)
-        chain = DraftTree.chain(root_token, tree.tokens[spine[1:]].tolist(), device=tree.device)
-        scores = None if tree.scores is None else tuple(tree.scores[u] for u in spine)
-        return DraftTree(chain.parents, chain.tokens, chain.depths, scores)
-
-    def observe(self, tree: DraftTree, reach) -> None:
-        pass  # the inner drafter calibrates on the trees it built, not on their spines
-
-    def commit(self, committed_ids, features) -> None:
-        self.inner.commit(committed_ids, features)
-
-
-def load_bench_drafter(spec: str, hf_model) -> Drafter:
-    """load_drafter's specs, plus "chain:<spec>" for the chain of that drafter's trees."""
-    if spec.startswith("chain:"):
-        return ChainDrafter(load_drafter(spec[len("chain:") :], hf_model))
-    return load_drafter(spec, hf_model)
-
-
 def speedup(base_seconds: float, base_tokens: int, spec_seconds: float, spec_tokens: int) -> float | None:
     """SR: baseline seconds over speculative seconds for the same number of tokens (None without tokens)."""
     if min(base_tokens, spec_tokens) == 0 or spec_seconds <= 0:
@@ -272,20 +238,14 @@ def hf_generate(model, prompt_ids: list[int], stop_tokens: set[int], max_new_tok
 class Runner:
     """One target model and its drafters, and the three timed ways to generate with them."""
 
-    def __init__(self, hf_model, tokenizer, drafters: dict[str, Drafter]):
-        self.hf_model = hf_model
-        self.target = TargetModel(hf_model, tokenizer)  # the baseline loop taps no features
-        self.decoders = {
-            spec: SpeculativeDecoder(TargetModel(hf_model, tokenizer, d.feature_layers), d)
-            for spec, d in drafters.items()
-        }
+    def __init__(self, decoders: dict[str, SpeculativeDecoder]):
+        """decoders: app.load_decoders' result, one per drafter spec, sharing the target's weights."""
+        first = next(iter(decoders.values())).target
+        self.hf_model = first.model
+        self.target = TargetModel(first.model, first.tokenizer)  # the baseline loop taps no features
+        self.decoders = decoders
         self.stops = default_stop_tokens(self.target)
         self._warm: set = set()
-
-    @classmethod
-    def load(cls, model: str | Path | None, drafters: list[str], device="cpu", dtype=torch.float32) -> Runner:
-        hf_model, tokenizer = load_model_and_tokenizer(model, device, dtype)
-        return cls(hf_model, tokenizer, {spec: load_bench_drafter(spec, hf_model) for spec in drafters})
 
     def encode(self, prompt) -> list[int]:
         return encode_prompt(self.target.tokenizer, prompt)
@@ -429,8 +389,6 @@ def environment(model: str | Path | None, runner: Runner, drafters: list[str]) -
 
 def drafter_sha(spec: str) -> str:
     """The drafter's name for training-free ones, else the hash of its checkpoint folder."""
-    if spec.startswith("chain:"):
-        return drafter_sha(spec[len("chain:") :])
     folder = drafter_folder(spec)
     return spec if folder is None else folder_sha(folder)
 

@@ -1,6 +1,6 @@
 """Latency of the verifier decision alone: predraw vs TEV (plus sequential and greedy) on the same trees.
 
-    python -m exitspec.bench.verifier [--budgets 16 32 64 128] [--temperatures 1.0 0.6] [--top-p 1.0]
+    exitspec latency [--budgets 16 32 64 128] [--temperatures 1.0 0.6] [--top-p 1.0]
         [--prompts 4] [--depth 16] [--repeats 50] [--drafter dflash|oracle|PATH] [--device cpu|cuda]
         [--threads N] [--synthetic] [--json PATH]
 
@@ -30,7 +30,6 @@ greedy runs on the temperature-0 (one-hot) probabilities of the same logits.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -43,11 +42,11 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
+from exitspec.app import load_decoders, resolve_device
 from exitspec.build import build_ddtree
 from exitspec.decode import encode_prompt
-from exitspec.drafters import DFlashDrafter, load_drafter
+from exitspec.drafters import DFlashDrafter
 from exitspec.flow import check_probs, tree_flow
-from exitspec.models import load_model_and_tokenizer
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
@@ -233,72 +232,64 @@ def print_tables(result: dict, console: Console) -> None:
     console.print(stage)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Runs the benchmark, prints the tables and returns (and with --json writes) the results."""
-    p = argparse.ArgumentParser(prog="python -m exitspec.bench.verifier", description=__doc__.split("\n")[0])
-    p.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
-    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.6])
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--prompts", type=int, default=4, help=f"trees per budget (at most {len(PROMPTS)} with a model)")
-    p.add_argument("--depth", type=int, default=16, help="draft horizon H")
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help="'dflash' or 'exittrain' (shipped drafters; dflash is the default "
-                   "for the default model), a DFlash checkpoint folder, or 'oracle' (the target's own log-probs; "
-                   "default otherwise)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--synthetic", action="store_true", help="random trees and logits instead of the model")
-    p.add_argument("--vocab", type=int, default=49152, help="vocabulary of --synthetic (the default model's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    args = p.parse_args(argv)
-    if min(args.budgets) < 1 or args.depth < 1 or args.repeats < 1 or args.warmup < 0 or args.prompts < 1:
-        p.error("budgets, --depth, --repeats and --prompts must be >= 1 and --warmup >= 0")
-    if not args.synthetic and args.prompts > len(PROMPTS):
-        p.error(f"--prompts is at most {len(PROMPTS)} (the built-in prompts)")
-    device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    if args.synthetic:
-        pairs = synthetic_pairs(args.budgets, args.prompts, args.depth, args.vocab, device, args.seed)
-        vocab = args.vocab
-        mode = "synthetic"
-    else:
-        spec = args.drafter or ("oracle" if args.model else "dflash")
-        hf_model, tokenizer = load_model_and_tokenizer(args.model, device, torch.float32)
-        drafter = None if spec == "oracle" else load_drafter(spec, hf_model)
-        if drafter is not None and not isinstance(drafter, DFlashDrafter):
-            p.error(f"--drafter {spec!r} gives no marginals: use 'oracle', a shipped drafter or a checkpoint folder")
-        target = TargetModel(hf_model, tokenizer, drafter.feature_layers if drafter else ())
-        pairs = realised_pairs(target, args.budgets, args.prompts, args.depth, drafter)
-        vocab = target.vocab_size
-        mode = f"{spec}-drafter trees on {args.model or 'SmolLM2-135M-Instruct'}"
-        del target, drafter, hf_model  # the timing touches only the (tree, logits) pairs
-    result = {
-        "mode": mode,
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "torch": torch.__version__,
-        "vocab": vocab,
-        "depth": args.depth,
-        "pairs_per_budget": args.prompts,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "top_p": args.top_p,
-        "budgets": args.budgets,
-        "temperatures": args.temperatures,
-        "rows": run_bench(pairs, args.temperatures, args.top_p, args.repeats, args.warmup, args.seed),
-    }
+def run(args) -> int:
+    """`exitspec latency`: measures, prints the tables and with --json writes the results."""
+    result = measure(
+        args.model, args.drafter, args.device, args.dtype, args.threads, args.budgets, args.temperatures,
+        args.top_p, args.prompts, args.depth, args.repeats, args.warmup, args.synthetic, args.vocab, args.seed,
+    )
     print_tables(result, Console())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return result
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+def measure(
+    model: str | None = None, drafter: str | None = None, device: str | None = None, dtype: str = "auto",
+    threads: int | None = None, budgets=(16, 32, 64, 128), temperatures=(1.0, 0.6), top_p: float = 1.0,
+    prompts: int = 4, depth: int = 16, repeats: int = 50, warmup: int = 5, synthetic: bool = False,
+    vocab: int = 49152, seed: int = 0,
+) -> dict:
+    """The benchmark's result: settings and one row per (budget, temperature), see run_bench."""
+    budgets, temperatures = list(budgets), list(temperatures)
+    if synthetic:
+        dev = resolve_device(device)
+        if threads:
+            torch.set_num_threads(threads)
+        pairs = synthetic_pairs(budgets, prompts, depth, vocab, dev, seed)
+        mode = "synthetic"
+    else:
+        spec = drafter or ("oracle" if model else "dflash")
+        decoder = load_decoders(model, ["ngram" if spec == "oracle" else spec], device, dtype, threads)
+        target, draft = next(iter(decoder.values())).target, next(iter(decoder.values())).drafter
+        if spec != "oracle" and not isinstance(draft, DFlashDrafter):
+            raise ValueError(f"drafter {spec!r} gives no marginals: use 'oracle', a shipped drafter or a checkpoint folder")
+        pairs = realised_pairs(target, budgets, prompts, depth, None if spec == "oracle" else draft)
+        vocab, dev = target.vocab_size, target.device
+        mode = f"{spec}-drafter trees on {model or 'SmolLM2-135M-Instruct'}"
+        del decoder, target, draft  # the timing touches only the (tree, logits) pairs
+    return {
+        "mode": mode,
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "vocab": vocab,
+        "depth": depth,
+        "pairs_per_budget": prompts,
+        "repeats": repeats,
+        "warmup": warmup,
+        "top_p": top_p,
+        "budgets": budgets,
+        "temperatures": temperatures,
+        "rows": run_bench(pairs, temperatures, top_p, repeats, warmup, seed),
+    }
+
+
+if __name__ == "__main__":  # `python -m exitspec.bench.verifier ...` is `exitspec latency ...`
+    import sys
+
+    from exitspec.cli import main as cli_main
+
+    sys.exit(cli_main(["latency", *sys.argv[1:]]))

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from exitspec.drafters.base import Drafter
+from exitspec.drafters.chain import ChainDrafter, split_chain
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.ngram import NgramDrafter
+from exitspec.options import DRAFTER_HELP
 
 __all__ = [
-    "DRAFTER_HELP", "SHIPPED", "DFlashDrafter", "Drafter", "NgramDrafter", "default_drafter", "drafter_folder",
-    "load_drafter",
+    "DRAFTER_HELP", "SHIPPED", "ChainDrafter", "DFlashDrafter", "Drafter", "NgramDrafter", "default_drafter",
+    "drafter_folder", "load_drafter", "split_chain",
 ]
 
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -21,10 +23,6 @@ SHIPPED = {
     "dflash": _ASSETS / "dflash-smollm2-135m-instruct",
     "exittrain": _ASSETS / "exittrain-smollm2-135m-instruct",
 }
-DRAFTER_HELP = (
-    "'dflash' (the DFlash drafter shipped for the default model; the default there), 'exittrain' (dflash "
-    "fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models) or a DFlash checkpoint folder"
-)
 
 
 def default_drafter(model: str | Path | None) -> str:
@@ -34,7 +32,8 @@ def default_drafter(model: str | Path | None) -> str:
 
 def drafter_folder(spec: str | Path) -> Path | None:
     """The checkpoint folder a drafter spec names: None for 'ngram', the shipped one for 'dflash' or 'exittrain'."""
-    if str(spec) == "ngram":
+    spec, _ = split_chain(spec)
+    if spec == "ngram":
         return None
     if str(spec) in SHIPPED:
         folder = SHIPPED[str(spec)]
@@ -51,6 +50,7 @@ def drafter_folder(spec: str | Path) -> Path | None:
 
 def load_drafter(spec: str | Path, target_hf_model) -> Drafter:
     """A shipped drafter's name ('dflash', 'exittrain'), 'ngram' (prompt lookup, training-free) or a DFlash
-    checkpoint folder for this target model."""
+    checkpoint folder for this target model; chain:SPEC for the best path of SPEC's trees."""
     folder = drafter_folder(spec)
-    return NgramDrafter() if folder is None else DFlashDrafter.from_pretrained(folder, target_hf_model)
+    drafter = NgramDrafter() if folder is None else DFlashDrafter.from_pretrained(folder, target_hf_model)
+    return ChainDrafter(drafter) if split_chain(spec)[1] else drafter

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from exitspec.models import check_safetensors
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 LEARNED_MASK = "learned"
@@ -189,6 +191,11 @@ class DFlashConfig:
             raise ValueError(f"DFlash drafter vocab_size {self.vocab_size} does not match the target's {vocab_size}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab_size:
             raise ValueError(f"DFlash mask_token_id {self.mask_token_id} is outside the vocabulary [0, {vocab_size})")
+        if num_layers is not None and self.num_target_layers not in (None, num_layers):
+            raise ValueError(
+                f"DFlash drafter was trained on a target of {self.num_target_layers} decoder layers "
+                f"(num_target_layers), but this target has {num_layers}"
+            )
         if num_layers is not None and max(self.target_layer_ids) >= num_layers:
             raise ValueError(
                 f"DFlash drafter reads target layers {list(self.target_layer_ids)} (dflash_config.target_layer_ids) "
@@ -444,6 +451,7 @@ class DFlashModel(nn.Module):
         weights = folder / WEIGHTS_NAME
         if not weights.is_file():
             raise FileNotFoundError(f"{folder} has no {WEIGHTS_NAME} (DFlash checkpoints load from safetensors only)")
+        check_safetensors(weights, "retrain or re-download the drafter")
         with torch.device("meta"):
             model = cls(config)
         tensors = load_file(weights)

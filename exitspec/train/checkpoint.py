@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from exitspec.drafters.dflash_model import WEIGHTS_NAME, DFlashModel
+from exitspec.models import check_safetensors
 from exitspec.train.dist import Dist, barrier
 
 PREFIX = "step-"
@@ -86,6 +87,8 @@ def load_checkpoint(
             f"{path} was written by {state['world_size']} processes; resume it with as many (this run has {d.world}) "
             "for the same data order and RNG streams, or start a new run with --init"
         )
+    for weights in (path / "drafter" / WEIGHTS_NAME, path / OPTIMIZER_NAME):
+        check_safetensors(weights, "delete this checkpoint to resume from the one before it")
     drafter.load_state_dict(load_file(path / "drafter" / WEIGHTS_NAME))
     optimizer_from_flat(optimizer, drafter, load_file(path / OPTIMIZER_NAME), state["optimizer_groups"])
     set_rng_state(json.loads((path / f"rng-rank{d.rank}.json").read_text()), generator)

@@ -1,8 +1,8 @@
-"""`python -m exitspec.train.dflash ...` and `torchrun ... -m exitspec.train.dflash ...`: see exitspec.train.cli."""
+"""`python -m exitspec.train.dflash ...` (also under torchrun) is `exitspec train dflash ...`."""
 
 import sys
 
-from exitspec.train.cli import main_dflash
+from exitspec.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main_dflash())
+    sys.exit(main(["train", "dflash", *sys.argv[1:]]))

@@ -29,7 +29,6 @@ one logsumexp per row and one gather per node.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -38,11 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams
+from exitspec.train.config import ExitConfig
 from exitspec.train.dflash_loss import BlockLoss
 from exitspec.train.tree_eval import build_anchor_trees, evaluate_trees
 from exitspec.tree import TreeBatch
-
-WEIGHT_MODES = ("exit", "prefix", "none")
 
 
 class ExitLoss(NamedTuple):
@@ -86,25 +84,6 @@ def exit_loss(
     nodes = trees.valid[:, 1:].sum(dim=-1)  # [T]: |T_i| − 1
     loss = ((row_weight * logits.logsumexp(dim=-1)).sum() - (omega * picked).sum()) / nodes.sum().clamp(min=1)
     return ExitLoss(loss, omega, coverage, nodes)
-
-
-@dataclass(frozen=True)
-class ExitConfig:
-    weight: str = "exit"  # one of WEIGHT_MODES
-    lam: float = 1.0  # λ in L_tok + λ·L_exit
-    budget: int = 32  # nodes per DDTree, as at inference
-    temperature: float = 1.0  # the target warp the exit law refers to
-    exclude_horizon_leaves: bool = False
-
-    def __post_init__(self):
-        if self.weight not in WEIGHT_MODES:
-            raise ValueError(f"exit weight must be one of {WEIGHT_MODES}, got {self.weight!r}")
-        if self.lam < 0 or self.budget < 1:
-            raise ValueError(f"need lam >= 0 and budget >= 1, got lam={self.lam}, budget={self.budget}")
-
-    @property
-    def active(self) -> bool:
-        return self.weight != "none" and self.lam > 0
 
 
 class TrainLoss(NamedTuple):

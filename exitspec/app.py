@@ -1,0 +1,121 @@
+"""The application layer: how a command line becomes a running decoder.
+
+    exitspec generate "Hi" --budget 64
+      cli.main ─ setup_cpu ─ cli.build_parser: options.py's groups and checked types (no torch yet)
+        ─ resolve_device: the device is there          ─ check_budgets: the tree fits context and memory
+        ─ load_decoders: the target once, each drafter against it, the target tapping the drafters' layers
+        ─ the command; a user error ends as one line on stderr and exit code 2 (options.run_command)
+
+Every command that decodes (generate, inspect, bench, latency, train eval) gets its decoders from
+`load_decoders`; `exitspec.load_decoders` is also the library's way to build one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from exitspec import setup_cpu
+from exitspec.drafters import load_drafter
+from exitspec.models import load_model_and_tokenizer, model_config
+from exitspec.options import DEFAULT_MODEL, DTYPES, budget_cap, check_device_name
+from exitspec.target import TargetModel
+
+__all__ = ["load_decoders", "load_target", "resolve_device", "resolve_dtype", "setup_cpu"]
+
+
+def resolve_device(name: str | None = None) -> torch.device:
+    """A usable torch device: None picks cuda when available, else cpu; anything else is checked."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(check_device_name(name))
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(f"device {name!r} asked for CUDA, but none is available (torch {torch.__version__}, "
+                             f"{build}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r} asked for Apple MPS, which is not available here; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """A torch dtype; "auto" is bfloat16 on CUDA and float32 elsewhere (bf16 on CPU is slow and inexact)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def load_decoders(
+    model: str | Path | None,
+    drafters: Sequence[str],
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype = "auto",
+    threads: int | None = None,
+):
+    """{drafter spec: SpeculativeDecoder}, all sharing one copy of the target's weights.
+
+    model: a local HF causal-LM folder, None for the default SmolLM2-135M-Instruct. drafters: specs of
+    `drafters.load_drafter` ('dflash', 'exittrain', 'ngram', a checkpoint folder, chain:SPEC), each checked
+    against the target; each decoder's TargetModel taps exactly the layers its drafter reads.
+    """
+    from exitspec.decode import SpeculativeDecoder
+
+    if threads:
+        torch.set_num_threads(threads)
+    device = resolve_device(None if device is None else str(device))
+    hf_model, tokenizer = load_model_and_tokenizer(model, device, resolve_dtype(dtype, device))
+    decoders = {}
+    for spec in dict.fromkeys(drafters):
+        drafter = load_drafter(spec, hf_model)
+        decoders[spec] = SpeculativeDecoder(TargetModel(hf_model, tokenizer, drafter.feature_layers), drafter)
+    return decoders
+
+
+def load_target(model: str | Path | None, device=None, dtype="auto", threads: int | None = None) -> TargetModel:
+    """The target alone (no drafter, no tapped features): for the autoregressive baseline and oracle trees."""
+    return load_decoders(model, ["ngram"], device, dtype, threads)["ngram"].target
+
+
+def check_budgets(budgets: Sequence[int | str], model: str | Path | None, device=None) -> None:
+    """Raises ValueError naming the limit when a budget cannot run: the tree must fit the model's context,
+    and one tree forward's working memory must fit in half of the memory free on `device`.
+
+    Reads only the model's config.json. The estimate (fp32 bytes, N+1 tree rows over a full context C):
+    logits and their warped copies 4·(N+1)·V, the additive mask (N+1)·(C+N+1), attention scores
+    heads·(N+1)·(C+N+1), MLP activations 3·(N+1)·I.
+    """
+    cap = max((budget_cap(b) for b in budgets), default=0)
+    if cap == 0:
+        return
+    config = model_config(model)
+    context = config.max_position_embeddings
+    if cap + 2 > context:
+        raise ValueError(f"a budget of {cap} draft tokens does not fit the context of {context} tokens of "
+                         f"{model or DEFAULT_MODEL} (at most {context - 2})")
+    rows, cols = cap + 1, context + cap + 1
+    floats = 4 * rows * config.vocab_size + rows * cols * (1 + config.num_attention_heads)
+    floats += 3 * rows * config.intermediate_size
+    need, free = 4 * floats, free_memory(resolve_device(None if device is None else str(device)))
+    if need > free / 2:
+        raise ValueError(f"a budget of {cap} draft tokens needs about {need / 2**30:.1f} GiB per tree forward at a "
+                         f"full context, over half of the {free / 2**30:.1f} GiB free here; use a smaller --budget")
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device`: the GPU's free memory, or MemAvailable from /proc/meminfo (else 8 GiB)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 8 << 30

@@ -1,0 +1,48 @@
+"""`chain:SPEC`: plain chain speculative decoding with any drafter, the best path of its trees."""
+
+from __future__ import annotations
+
+from exitspec.drafters.base import Drafter
+from exitspec.tree import DraftTree
+
+CHAIN_PREFIX = "chain:"
+
+
+def split_chain(spec: str) -> tuple[str, bool]:
+    """("dflash", True) for "chain:dflash"; (spec, False) for any other spec."""
+    spec = str(spec)
+    return (spec[len(CHAIN_PREFIX) :], True) if spec.startswith(CHAIN_PREFIX) else (spec, False)
+
+
+class ChainDrafter:
+    """Plain chain speculative decoding with any drafter: the spine of its tree, the best child at each node.
+
+    Both builders (DDTree best-first, weighted trie) list nodes in descending score, so a node's first child
+    is its best one. `chain:D` in a drafter list names this wrapper around D.
+    """
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.feature_layers = inner.feature_layers
+
+    def begin(self, prompt_ids, features) -> None:
+        self.inner.begin(prompt_ids, features)
+
+    def propose(self, context_ids, max_depth: int, cheap: bool = False):
+        return self.inner.propose(context_ids, max_depth, cheap)
+
+    def build(self, proposal, root_token: int, budget: int) -> DraftTree:
+        tree = self.inner.build(proposal, root_token, budget)
+        spine, node = [0], 0
+        while tree.children[node]:
+            node = tree.children[node][0]
+            spine.append(node)
+        chain = DraftTree.chain(root_token, tree.tokens[spine[1:]].tolist(), device=tree.device)
+        scores = None if tree.scores is None else tuple(tree.scores[u] for u in spine)
+        return DraftTree(chain.parents, chain.tokens, chain.depths, scores)
+
+    def observe(self, tree: DraftTree, reach) -> None:
+        pass  # the inner drafter calibrates on the trees it built, not on their spines
+
+    def commit(self, committed_ids, features) -> None:
+        self.inner.commit(committed_ids, features)

