@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from exitspec import setup_cpu
-from exitspec.bench.datasets import BUILTIN
 from exitspec.bench.presets import PRESETS
+from exitspec.data import BUILTIN
 from exitspec.options import (
     DRAFTER_HELP,
     MAX_BUDGET,
@@ -42,7 +42,7 @@ from exitspec.options import (
     sampling_options,
     text,
 )
-from exitspec.train.config import WEIGHT_MODES, TrainConfig
+from exitspec.train.config import EXIT_FIELDS, WEIGHT_MODES, TrainConfig
 
 RAW = argparse.RawDescriptionHelpFormatter
 DEFAULTS = type("DefaultsFormatter", (RAW, argparse.ArgumentDefaultsHelpFormatter), {})  # docstring + defaults
@@ -67,7 +67,7 @@ def build_parser() -> Parser:
                           [model, sampling], "exitspec.cli:generate"))
     _add_check(command(commands, "check", "check every verifier's output law on random trees", [], "exitspec.cli:check"))
     _add_inspect(command(commands, "inspect", "where the target's mass leaves the draft trees (exit law per round)",
-                         [model, sampling], "exitspec.inspect:run"))
+                         [model, sampling_options(temperature=1.0)], "exitspec.inspect:run"))  # a sampled target
     _add_bench(command(commands, "bench", "τ and speedup (SR) on datasets: paper-style tables, report and plots",
                        [model, sampling_options(many=True)], "exitspec.bench.cli:run"))
     _add_latency(command(commands, "latency", "latency of the verifier decision alone, predraw vs TEV (table 3)",
@@ -182,7 +182,6 @@ def _add_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot-round", type=integer(0), default=0, help="the round whose tree is drawn")
     p.add_argument("--no-chat", action="store_true", help="encode the prompt as plain text, no chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(temperature=1.0)  # the exit law is most telling on a sampled target
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
@@ -276,7 +275,7 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     t.add_argument("--log-every", type=integer(1), default=d.log_every, help="log interval in steps")
     t.add_argument("--keep", type=integer(1), default=d.keep, help="checkpoints kept")
     if command != "exit":
-        p.set_defaults(exit_weight=d.exit_weight, lam=d.lam, budget=d.budget, exclude_horizon_leaves=False)
+        p.set_defaults(**{mine: getattr(d, mine) for mine, _ in EXIT_FIELDS})  # the exit loss off
         return
     x = p.add_argument_group("exit loss: L_tok + λ·L_exit on the drafter's own DDTrees (exitspec.train.exit_loss)")
     x.add_argument("--weight", dest="exit_weight", choices=WEIGHT_MODES, default="exit",
@@ -292,7 +291,7 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", nargs="+", default=["dflash"], metavar="SPEC",
                    help="shipped drafters ('dflash', 'exittrain') or DFlash checkpoint folders")
     p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mtbench"], metavar="NAME",
-                   help="benchmark sets (exitspec.bench.datasets); their first turns are the held-out prompts")
+                   help="benchmark sets (exitspec.data); their first turns are the held-out prompts")
     p.add_argument("--data-dir", type=Path, help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
     p.add_argument("--num-prompts", type=integer(1), default=20, help="the first N samples of each dataset")
     p.add_argument("--max-new-tokens", type=integer(1), default=128, help="length of the target's held-out responses")

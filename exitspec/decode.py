@@ -23,9 +23,8 @@ import torch
 from torch import Tensor
 
 from exitspec.budget import AutoBudget, CostModel
-from exitspec.drafters import Drafter, default_drafter, load_drafter
+from exitspec.drafters import Drafter, default_drafter
 from exitspec.flow import tree_flow
-from exitspec.models import load_model_and_tokenizer
 from exitspec.options import budget_cap, parse_budget
 from exitspec.sampling import SamplingParams, sample_rows, target_probs
 from exitspec.target import TargetModel, synchronize
@@ -212,14 +211,16 @@ class SpeculativeDecoder:
         cls,
         model: str | Path | None = None,
         drafter: str | Path | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype = "auto",
+        threads: int | None = None,
     ) -> SpeculativeDecoder:
         """A local HF model folder (None: the default SmolLM2-135M-Instruct) and a drafter (see load_drafter;
-        None: the shipped DFlash drafter for the default model, n-gram for any other)."""
-        hf_model, tokenizer = load_model_and_tokenizer(model, device, dtype)
-        draft = load_drafter(drafter or default_drafter(model), hf_model)
-        return cls(TargetModel(hf_model, tokenizer, draft.feature_layers), draft)
+        None: the shipped DFlash drafter for the default model, n-gram for any other), built by app.load_decoders."""
+        from exitspec.app import load_decoders
+
+        spec = str(drafter or default_drafter(model))
+        return load_decoders(model, [spec], device, dtype, threads)[spec]
 
     def generate(
         self,

@@ -143,14 +143,18 @@ def drafter_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", help=DRAFTER_HELP)
 
 
-def sampling_options(many: bool = False) -> Parser:
-    """The target's warp (temperature, top-k, top-p) and the seed; `many`: a list of temperatures."""
+def sampling_options(many: bool = False, temperature: float = 0.0) -> Parser:
+    """The target's warp (temperature, top-k, top-p) and the seed; `many`: a list of temperatures.
+
+    Each call makes new option objects: argparse shares a parent's actions with every parser built from it,
+    so a command with other defaults needs its own group (never set_defaults on a shared one).
+    """
     p = Parser(add_help=False)
     g = p.add_argument_group("sampling")
     if many:
         g.add_argument("--temperatures", type=real(), nargs="+", metavar="T", help="target temperatures (0 = greedy)")
     else:
-        g.add_argument("--temperature", type=real(), default=0.0, help="0 = greedy (default)")
+        g.add_argument("--temperature", type=real(), default=temperature, help=f"0 = greedy (default {temperature:g})")
     g.add_argument("--top-p", type=real(0.0, 1.0, low_open=True), default=1.0, help="nucleus mass in (0, 1]")
     g.add_argument("--top-k", type=integer(0), default=0, help="0 = off")
     g.add_argument("--seed", type=integer(0), default=0)

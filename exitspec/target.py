@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -32,7 +31,6 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from exitspec.lean import LeanLlama, supports
-from exitspec.models import load_model_and_tokenizer
 from exitspec.tree import DraftTree
 
 
@@ -89,7 +87,11 @@ class TransformersForward:
         return out.logits[0].float(), taps
 
     def keep(self, start: int, slots: Tensor) -> None:
-        """Moves cache entries `slots` [m] to start..start+m-1 in every layer and drops everything after."""
+        """Moves cache entries `slots` [m] to start..start+m-1 in every layer and drops everything after.
+
+        transformers has no public call that reorders positions within one sequence (reorder_cache works on
+        the batch), so this, `crop` and `kv` are exitspec's only reads and writes of a cache layer's `keys`
+        and `values`; test_target checks all three against a plain forward on every transformers it runs on."""
         m = slots.numel()
         for layer in self.cache.layers:
             for name in ("keys", "values"):
@@ -99,7 +101,7 @@ class TransformersForward:
         self.length = start + m
 
     def crop(self, length: int) -> None:
-        for layer in self.cache.layers:
+        for layer in self.cache.layers:  # DynamicCache.crop takes only negative counts in transformers 5.24
             if layer.is_initialized:
                 layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
         self.length = min(self.length, length)
@@ -141,18 +143,6 @@ class TargetModel:
         lean = backend == "lean" or (backend == "auto" and supports(model) is None)
         self.backend = LeanLlama(model, self.feature_layers) if lean else TransformersForward(model, self.feature_layers)
         self.reset()
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        feature_layers: tuple[int, ...] = (),
-    ) -> TargetModel:
-        """Loads a local HF causal-LM folder (None: the default SmolLM2-135M-Instruct)."""
-        model, tokenizer = load_model_and_tokenizer(path, device, dtype)
-        return cls(model, tokenizer, feature_layers)
 
     @property
     def vocab_size(self) -> int:

@@ -16,9 +16,10 @@ cd "$(dirname "$0")/.."
 PROMPTS=${PROMPTS:-5}
 TOKENS=${TOKENS:-64}
 OUT=${OUT:-data/exittrain-runs/smollm2-135m-instruct/crossed}  # tracked: a later session (a fresh machine) resumes it
-# the original, the two controls' final weights (committed) and ExitTrain's (shipped as exittrain)
-RUNS=data/exittrain-runs/smollm2-135m-instruct/drafters
-DRAFTERS=(dflash "$RUNS/none" "$RUNS/prefix" exittrain)
+# the original, the two controls' final weights (remade by scripts/exittrain-controls.sh into RUNS; weights
+# ship only in exitspec/assets, so they are not committed) and ExitTrain's (shipped as exittrain)
+RUNS=${RUNS:-runs/exittrain}
+DRAFTERS=(dflash "$RUNS/none/final" "$RUNS/prefix/final" exittrain)
 mkdir -p "$OUT"
 [ -f "$OUT/heldout.json" ] || exitspec train eval --drafters "${DRAFTERS[@]}" --budgets 32 64 \
     --temperatures 0 1 --num-prompts 20 --anchors 16 --threads 2 --no-progress --out "$OUT/heldout.json"

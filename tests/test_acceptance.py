@@ -7,13 +7,13 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
+from exitspec.cli import main
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.target import TargetModel
 from exitspec.train.acceptance import measure_acceptance
-from exitspec.cli import main
 from exitspec.train.dflash_loss import DFlashObjective
 from exitspec.train.rollouts import Rollout
 from exitspec.train.trainer import RolloutData
@@ -88,4 +88,4 @@ def test_batches_and_several_settings_give_the_same_numbers(models):
 
 def test_eval_command_refuses_a_drafter_without_logits(capsys):
     assert main(["train", "eval", "--drafters", "ngram"]) == 2
-    assert "'ngram' has no draft logits" in capsys.readouterr().err
+    assert "'ngram' and chains have no draft logits" in capsys.readouterr().err

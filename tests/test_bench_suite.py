@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import asdict
+from pathlib import Path
 
 import matplotlib.image
 import pytest
 import torch
 from tiny_models import save_tiny_llama
 
-from exitspec.bench import datasets
-from exitspec.cli import main
+from exitspec import data as datasets
 from exitspec.bench.report import (
     drafter_table,
     drafter_table_markdown,
@@ -19,10 +20,12 @@ from exitspec.bench.report import (
     paired_tau_markdown,
     write_comparison,
 )
-from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, ChainDrafter, ResultsFile, speedup
+from exitspec.bench.rows import BaselineRow, SpecRow
+from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, ResultsFile, speedup
+from exitspec.cli import main
+from exitspec.data import default_data_dir
 from exitspec.decode import STAGES, SpeculativeDecoder, encode_prompt
-from exitspec.drafters import NgramDrafter
-from exitspec.train.prompts import default_data_dir
+from exitspec.drafters import ChainDrafter, NgramDrafter
 
 PROMPTS = [[2, 5, 3, 7, 2, 5, 3, 7, 4], [6, 2, 5, 3, 6, 2, 5], [9, 8, 9, 8, 9, 8, 9]]
 MAX_NEW = 16
@@ -48,42 +51,42 @@ def full_run(setup):
 
 
 def spec_rows(path) -> dict[tuple, dict]:
-    return {tuple(r[k] for k in SPEC_KEY): r for r in ResultsFile(path).rows if r["kind"] == "spec"}
+    return {tuple(getattr(r, k) for k in SPEC_KEY): r for r in ResultsFile(path).rows if r.kind == "spec"}
 
 
 def test_result_rows_have_every_field(full_run):
     results = ResultsFile(full_run / "results.jsonl")
-    assert len(results.envs) == 1 and results.envs[0]["model_sha"] != "no-safetensors"
-    assert results.envs[0]["drafters"] == {"ngram": "ngram"} and results.envs[0]["dtype"] == "float32"
-    baselines = [r for r in results.rows if r["kind"] == "baseline"]
-    specs = [r for r in results.rows if r["kind"] == "spec"]
+    assert len(results.envs) == 1 and results.envs[0].model_sha != "no-safetensors"
+    assert results.envs[0].drafters == {"ngram": "ngram"} and results.envs[0].dtype == "float32"
+    baselines = [r for r in results.rows if r.kind == "baseline"]
+    specs = [r for r in results.rows if r.kind == "spec"]
     assert len(baselines) == 3 * 2 and len(specs) == 3 * 2 * 2  # prompts x T {0, 1} (x verifiers)
     for b in baselines:
-        assert set(b) == {"kind", *BASELINE_KEY, "prompt_tokens", "prompt_sha", "ar", "hf"}
-        assert b["dataset"] == "toy" and b["turn"] == 0 and b["max_new_tokens"] == MAX_NEW
-        assert b["prompt_tokens"] == len(PROMPTS[int(b["prompt_id"])])
-        ar, hf = b["ar"], b["hf"]
-        assert ar["new_tokens"] == len(ar["tokens"]) <= MAX_NEW and hf["new_tokens"] == len(hf["tokens"]) <= MAX_NEW
-        assert set(ar["stage_seconds"]) == set(STAGES) and ar["total_seconds"] > ar["prefill_seconds"] > 0
-        assert ar["text"] is None and hf["total_seconds"] > 0
-        if b["temperature"] == 0:
-            assert ar["tokens"] == hf["tokens"]  # our AR loop is transformers' greedy decoding
+        assert set(asdict(b)) == {"kind", "version", *BASELINE_KEY, "prompt_tokens", "prompt_sha", "ar", "hf"}
+        assert b.dataset == "toy" and b.turn == 0 and b.max_new_tokens == MAX_NEW
+        assert b.prompt_tokens == len(PROMPTS[int(b.prompt_id)])
+        ar, hf = b.ar, b.hf
+        assert ar.new_tokens == len(ar.tokens) <= MAX_NEW and hf.new_tokens == len(hf.tokens) <= MAX_NEW
+        assert set(ar.stage_seconds) == set(STAGES) and ar.total_seconds > ar.prefill_seconds > 0
+        assert ar.text is None and hf.total_seconds > 0
+        if b.temperature == 0:
+            assert ar.tokens == hf.tokens  # our AR loop is transformers' greedy decoding
     for r in specs:
-        expected = {"kind", *SPEC_KEY, "prompt_tokens", "prompt_sha", "tokens", "new_tokens", "rounds", "tau",
+        expected = {"kind", "version", *SPEC_KEY, "prompt_tokens", "prompt_sha", "tokens", "new_tokens", "rounds", "tau",
                     "mean_coverage", "tree_sizes", "accepted_lengths", "tokens_per_second", "prefill_seconds", "total_seconds",
                     "stage_seconds", "stopped_by", "sr_ar", "sr_hf", "ar_seconds", "ar_tokens", "hf_seconds",
                     "hf_tokens", "matches_ar"}
-        assert set(r) == expected
-        assert r["drafter"] == "ngram" and r["budget"] == 32 and r["verifier"] in ("predraw", "tev")
-        base = results.get({**r, "kind": "baseline"})
-        assert r["prompt_sha"] == base["prompt_sha"] and r["ar_tokens"] == base["ar"]["new_tokens"]
-        assert r["new_tokens"] == len(r["tokens"]) and r["rounds"] == len(r["accepted_lengths"]) >= 1
-        assert r["tau"] == pytest.approx((sum(r["accepted_lengths"]) + r["rounds"]) / r["rounds"])
-        assert 0 <= r["mean_coverage"] <= 32 and r["tokens_per_second"] > 0 and set(r["stage_seconds"]) == set(STAGES)
-        assert r["sr_ar"] == pytest.approx(speedup(r["ar_seconds"], r["ar_tokens"], r["total_seconds"], r["new_tokens"]))
-        assert r["sr_hf"] == pytest.approx(speedup(r["hf_seconds"], r["hf_tokens"], r["total_seconds"], r["new_tokens"]))
-        if r["temperature"] == 0:
-            assert r["matches_ar"] and r["tokens"] == base["ar"]["tokens"]  # exact at T=0
+        assert set(asdict(r)) == expected
+        assert r.drafter == "ngram" and r.budget == 32 and r.verifier in ("predraw", "tev")
+        base = results.get({**asdict(r), "kind": "baseline"})
+        assert r.prompt_sha == base.prompt_sha and r.ar_tokens == base.ar.new_tokens
+        assert r.new_tokens == len(r.tokens) and r.rounds == len(r.accepted_lengths) >= 1
+        assert r.tau == pytest.approx((sum(r.accepted_lengths) + r.rounds) / r.rounds)
+        assert 0 <= r.mean_coverage <= 32 and r.tokens_per_second > 0 and set(r.stage_seconds) == set(STAGES)
+        assert r.sr_ar == pytest.approx(speedup(r.ar_seconds, r.ar_tokens, r.total_seconds, r.new_tokens))
+        assert r.sr_hf == pytest.approx(speedup(r.hf_seconds, r.hf_tokens, r.total_seconds, r.new_tokens))
+        if r.temperature == 0:
+            assert r.matches_ar and r.tokens == base.ar.tokens  # exact at T=0
 
 
 def test_report_files(full_run):
@@ -129,10 +132,15 @@ def test_drafter_table_crosses_drafters_with_settings():
 def test_paired_tau_pairs_the_last_drafter_with_each_other_one_by_prompt():
     """τ differences are taken prompt by prompt, only over prompts both drafters ran in that setting."""
     def row(drafter, prompt_id, tau, verifier="tev"):
-        return {"kind": "spec", "drafter": drafter, "dataset": "gsm8k", "prompt_id": prompt_id, "turn": 0,
-                "repeat": 0, "seed": 0, "temperature": 0.0, "budget": 32, "verifier": verifier, "tau": tau}
+        return SpecRow(
+            drafter=drafter, dataset="gsm8k", prompt_id=prompt_id, turn=0, repeat=0, seed=0, temperature=0.0,
+            top_p=1.0, top_k=0, max_new_tokens=8, prompt_tokens=4, prompt_sha="x", budget=32, verifier=verifier,
+            tau=tau, tokens=[], new_tokens=0, rounds=1, mean_coverage=0.0, accepted_lengths=[0],
+            tokens_per_second=0.0, prefill_seconds=0.0, total_seconds=1.0, stage_seconds={}, stopped_by="",
+            sr_ar=None, sr_hf=None, ar_seconds=1.0, ar_tokens=0, hf_seconds=1.0, hf_tokens=0, matches_ar=True,
+        )
 
-    rows = [{"kind": "baseline"}, row("dflash", "0", 2.0), row("dflash", "1", 3.0), row("dflash", "2", 9.0),
+    rows = [row("dflash", "0", 2.0), row("dflash", "1", 3.0), row("dflash", "2", 9.0),
             row("none", "0", 2.5), row("none", "0", 1.0, "predraw"),
             row("runs/x/exit/final", "0", 2.5), row("runs/x/exit/final", "1", 3.0)]
     table = paired_tau(rows)
@@ -160,8 +168,7 @@ def test_a_killed_run_resumes_to_the_same_rows(setup, full_run, monkeypatch, cap
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", dies_on_the_fifth_call)
-    with pytest.raises(KeyboardInterrupt):
-        main(["bench", *model_args, *ARGS, "--out", str(out)])
+    assert main(["bench", *model_args, *ARGS, "--out", str(out)]) == 130  # interrupted, like a kill mid-run
     monkeypatch.undo()
     measured = len(ResultsFile(out / "results.jsonl").rows)
     assert 0 < measured < 18
@@ -174,8 +181,8 @@ def test_a_killed_run_resumes_to_the_same_rows(setup, full_run, monkeypatch, cap
     resumed, full = spec_rows(out / "results.jsonl"), spec_rows(full_run / "results.jsonl")
     assert resumed.keys() == full.keys()
     for key, row in full.items():
-        assert {k: resumed[key][k] for k in DETERMINISTIC} == {k: row[k] for k in DETERMINISTIC}
-        assert resumed[key]["mean_coverage"] == pytest.approx(row["mean_coverage"], rel=1e-5)  # float sums
+        assert {k: getattr(resumed[key], k) for k in DETERMINISTIC} == {k: getattr(row, k) for k in DETERMINISTIC}
+        assert resumed[key].mean_coverage == pytest.approx(row.mean_coverage, rel=1e-5)  # float sums
 
     paths = write_comparison(full_run / "results.jsonl", out / "results.jsonl", root / "compare")
     compare = json.loads(paths["json"].read_text())
@@ -209,15 +216,15 @@ def test_second_turn_follows_the_models_own_answer(tmp_path, capsys):
     argv += ["--max-new-tokens", "12", "--no-progress"]
     assert main(["bench", *argv, "--limit", "1"]) == 0  # turn 1's baseline only; turn 2 then reads its answer back
     assert "1 rows measured" in capsys.readouterr().out and not (tmp_path / "report.md").exists()
-    assert main_bench(argv) == 0
-    rows = {(r["kind"], r["turn"]): r for r in ResultsFile(tmp_path / "results.jsonl").rows}
+    assert main(["bench", *argv]) == 0
+    rows = {(r.kind, r.turn): r for r in ResultsFile(tmp_path / "results.jsonl").rows}
     assert set(rows) == {("baseline", 0), ("spec", 0), ("baseline", 1), ("spec", 1)}
-    answer = rows["baseline", 0]["ar"]["text"]
+    answer = rows["baseline", 0].ar.text
     chat = [{"role": "user", "content": "w4 w5 w6 w4 w5"}, {"role": "assistant", "content": answer},
             {"role": "user", "content": "w7 w8"}]
     ids = encode_prompt(AutoTokenizer.from_pretrained(tmp_path / "model"), chat)
-    assert rows["baseline", 1]["prompt_tokens"] == len(ids) > rows["baseline", 0]["prompt_tokens"]
-    assert rows["spec", 1]["tokens"] == rows["baseline", 1]["ar"]["tokens"]
+    assert rows["baseline", 1].prompt_tokens == len(ids) > rows["baseline", 0].prompt_tokens
+    assert rows["spec", 1].tokens == rows["baseline", 1].ar.tokens
 
 
 def test_chain_drafter_keeps_the_best_path():
@@ -311,3 +318,24 @@ def test_table3_runs_the_verifier_benchmark(tmp_path, monkeypatch, capsys):
     md = (tmp_path / "table3.md").read_text()
     assert "| B | N | T | C_p | predraw ms | TEV ms | speedup |" in md and md.count("\n| 4 |") == 1
     assert json.loads((tmp_path / "table3.json").read_text())["budgets"] == [4, 8]
+
+
+def test_rows_round_trip_and_old_files_load(tmp_path):
+    """dump_row/load_row are inverse; version-1 rows (no version field, no tree_sizes) load; newer ones do not."""
+    from exitspec.bench.rows import ROW_VERSION, dump_row, load_row
+
+    old = {"kind": "env", "created": "2026-12-01", "device": "cpu", "device_name": "x", "dtype": "float32",
+           "threads": 2, "torch": "2", "transformers": "5", "python": "3.11", "load_average": None, "model": "m",
+           "model_sha": "s", "drafters": {}}
+    env = load_row(json.dumps(old))
+    assert env.version == ROW_VERSION and load_row(dump_row(env)) == env
+    with pytest.raises(ValueError, match="newer than this exitspec reads"):
+        load_row(json.dumps({**old, "version": ROW_VERSION + 1}))
+    with pytest.raises(ValueError, match=r"unknown fields \['surprise'\]"):
+        load_row(json.dumps({**old, "surprise": 1}))
+    with pytest.raises(ValueError, match="incomplete"):
+        load_row(json.dumps({"kind": "env"}))
+    committed = Path(__file__).resolve().parents[1] / "data" / "bench" / "smollm2-135m-instruct" / "results.jsonl"
+    if committed.is_file():  # a results file written before the version field existed
+        results = ResultsFile(committed)
+        assert results.envs and all(isinstance(r, (SpecRow, BaselineRow)) for r in results.rows)

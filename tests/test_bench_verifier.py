@@ -6,21 +6,21 @@ import json
 
 import pytest
 
-from exitspec.bench.verifier import main
+from exitspec.cli import main
 
 
 def test_synthetic_json(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["--synthetic", "--vocab", "64", "--budgets", "4", "8", "--temperatures", "1.0", "0.5", "--top-p", "0.9"]
     argv += ["--depth", "4", "--prompts", "2", "--repeats", "3", "--warmup", "1", "--device", "cpu"]
-    result = main([*argv, "--json", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert main(["latency", *argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
     assert result["budgets"] == [4, 8] and result["vocab"] == 64 and result["mode"] == "synthetic"
     rows = result["rows"]
     assert [(r["budget"], r["temperature"]) for r in rows] == [(4, 1.0), (4, 0.5), (8, 1.0), (8, 0.5)]
     for row in rows:
         assert 1 <= row["nodes"] <= row["budget"] and row["top_p"] == 0.9
-        assert set(row["median_ms"]) == {"warp", "predraw", "tev", "sequential", "greedy"}
+        assert set(row["median_ms"]) == {"warp", "check", "predraw", "tev", "sequential", "greedy"}
         assert all(ms > 0 for ms in row["median_ms"].values())
         assert row["speedup"] == pytest.approx(row["median_ms"]["predraw"] / row["median_ms"]["tev"])
         stage = row["stage_median_ms"]
@@ -28,6 +28,6 @@ def test_synthetic_json(tmp_path):
         assert row["stage_speedup"] == pytest.approx(stage["predraw"] / stage["tev"])
 
 
-def test_rejects_bad_arguments():
-    with pytest.raises(SystemExit):
-        main(["--synthetic", "--budgets", "0"])
+def test_rejects_bad_arguments(capsys):
+    assert main(["latency", "--synthetic", "--budgets", "0"]) == 2
+    assert "--budgets: 0 is out of range" in capsys.readouterr().err

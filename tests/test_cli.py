@@ -145,3 +145,13 @@ def test_random_options_never_give_a_traceback(command, flags, values):
         except SystemExit as done:
             code = done.code
     assert code == 2 and err.getvalue().count("\n") == 1 and "Traceback" not in err.getvalue()
+
+
+def test_each_command_keeps_its_own_defaults():
+    """argparse shares a parent group's option objects: one command's default must not leak into another's."""
+    from exitspec.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "x"]).temperature == 0.0
+    assert parser.parse_args(["inspect", "x"]).temperature == 1.0
+    assert parser.parse_args(["generate", "x"]).temperature == 0.0

@@ -340,6 +340,13 @@ def test_errors_name_the_problem(tmp_path, target, tokens):
         load("shallow", ids=(0, 5))
     with pytest.raises(ValueError, match=r"uses \['output_multiplier'\], which this drafter does not implement"):
         load("dflash2", dflash_extra={"output_multiplier": 0.2})
+    with pytest.raises(ValueError, match=f"trained on a target of 36 decoder layers .* this target has {TARGET_LAYERS}"):
+        load("deeper", dflash_extra={"num_target_layers": 36})
+    write_released(tmp_path / "torn")
+    weights = tmp_path / "torn" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="model.safetensors is not a complete safetensors file"):
+        DFlashDrafter.from_pretrained(tmp_path / "torn", target)
 
     (tmp_path / "pickle").mkdir()
     (tmp_path / "pickle" / "config.json").write_text((tmp_path / "missing" / "config.json").read_text())

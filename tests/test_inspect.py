@@ -8,11 +8,11 @@ import pytest
 import torch
 from tiny_models import save_tiny_llama
 
+from exitspec.cli import main
 from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters import load_drafter
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.flow import tree_flow
-from exitspec.cli import main
 from exitspec.inspect import tree_layout
 from exitspec.models import load_model_and_tokenizer
 from exitspec.target import TargetModel

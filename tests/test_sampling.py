@@ -55,6 +55,11 @@ def test_sample_rows_follows_the_distribution_and_never_draws_zeros():
     assert power_divergence(counts[support].numpy(), expected, lambda_="log-likelihood").pvalue > 1e-3
 
 
-def test_non_finite_logits_are_rejected():
-    with pytest.raises(ValueError, match=r"NaN or inf \(first bad row \(1,\)\)"):
-        target_probs(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]), SamplingParams())
+def test_non_finite_logits_are_rejected_and_masked_ones_kept():
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"logits row \(1,\) holds NaN or \+inf"):
+            target_probs(torch.tensor([[0.0, 1.0], [bad, 0.0]]), SamplingParams())
+    with pytest.raises(ValueError, match=r"row \(0,\) .* only -inf"):
+        target_probs(torch.full((1, 3), float("-inf")), SamplingParams())
+    masked = target_probs(torch.tensor([[0.0, float("-inf"), 0.0]]), SamplingParams())
+    torch.testing.assert_close(masked, torch.tensor([[0.5, 0.0, 0.5]]))

@@ -168,9 +168,8 @@ def test_invalid_inputs(model):
     target.prefill(torch.tensor([1, 2]))
     with pytest.raises(InvalidTreeError, match="outside the vocabulary"):
         target.forward_tree(DraftTree.chain(1, [V]))
-    dup = DraftTree(torch.tensor([-1, 0, 0]), torch.tensor([1, 5, 5]), torch.tensor([0, 1, 1]))
-    with pytest.raises(ValueError, match="siblings"):
-        target.forward_tree(dup)
+    with pytest.raises(ValueError, match="siblings"):  # an invalid tree cannot even be made
+        DraftTree(torch.tensor([-1, 0, 0]), torch.tensor([1, 5, 5]), torch.tensor([0, 1, 1]))
     with pytest.raises(ValueError, match="without a pending tree"):
         target.commit(DraftTree.root_only(1), [])
     tree = DraftTree.from_parents([-1, 0, 0, 1], [1, 2, 3, 4])
@@ -210,7 +209,7 @@ def test_load_saved_folder(tmp_path):
     assert not any(p.requires_grad for p in loaded.parameters())
     ids = [5, 6, 7]
     torch.testing.assert_close(causal(loaded, ids).logits, causal(ref, ids).logits)
-    target = TargetModel.from_pretrained(str(tmp_path / "tiny"), feature_layers=(1,))
+    target = TargetModel(loaded, tokenizer, feature_layers=(1,))
     assert (target.vocab_size, target.feature_dim, target.device.type) == (V, 32, "cpu")
 
 
@@ -222,6 +221,14 @@ def test_bad_model_paths(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "not-a-model"}))
     with pytest.raises(ValueError, match="could not load a causal language model"):
         load_model_and_tokenizer(tmp_path, "cpu")
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    save_tiny_llama(tmp_path / "tiny", seed=1)
+    weights = tmp_path / "tiny" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a complete safetensors file .*re-download"):
+        load_model_and_tokenizer(tmp_path / "tiny", "cpu")
 
 
 @pytest.mark.slow
@@ -237,7 +244,7 @@ def test_default_model_converts_and_generates(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.joinpath("models").iterdir()] == [folder.name]  # no temp folders left
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
 
-    target = TargetModel.from_pretrained(None, feature_layers=(3,))
+    target = TargetModel(*load_model_and_tokenizer(None), feature_layers=(3,))
     model, tok = target.model, target.tokenizer
     assert tok.chat_template and target.vocab_size == 49152
     prompt = tok.apply_chat_template(

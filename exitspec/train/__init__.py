@@ -1,6 +1,6 @@
 """Drafter training.
 
-prompts      training prompts: GSM8K train, ShareGPT first turns (never the evaluation sets)
+config       TrainConfig and ExitConfig: the settings, plain dataclasses (no torch), checked on construction
 rollouts     the target's own responses, cached as resumable JSONL shards
 dflash_loss  the DFlash objective: anchors, masked blocks, position-decayed cross-entropy
 tree_eval    the drafter's inference-time trees at training anchors, scored exactly by one target forward
@@ -9,5 +9,5 @@ checkpoint   pickle-free checkpoints: safetensors tensors, JSON scalars and RNG 
 dist         torch.distributed set-up (nccl on GPUs, gloo on CPUs)
 trainer      the training loop (AdamW, warmup + cosine, DDP, exact resume)
 acceptance   held-out E[τ] = 1 + C_p of a drafter's trees, exact and without decoding
-cli          `exitspec train dflash | exit | eval` (also `python -m exitspec.train.dflash`)
+cli          what `exitspec train dflash | exit | eval` run (their options are in exitspec/cli.py)
 """

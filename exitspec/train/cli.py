@@ -25,7 +25,7 @@ from exitspec.app import (
     resolve_device,
     resolve_dtype,
 )
-from exitspec.bench.datasets import load_dataset
+from exitspec.data import gsm8k_train, interleave, load_dataset, sharegpt
 from exitspec.decode import encode_prompt
 from exitspec.drafters import drafter_folder, split_chain
 from exitspec.models import DEFAULT_MODEL, load_model_and_tokenizer, model_config
@@ -33,7 +33,6 @@ from exitspec.train import dist
 from exitspec.train.acceptance import heldout_prompts, measure_acceptance
 from exitspec.train.config import TrainConfig
 from exitspec.train.dflash_loss import DFlashObjective
-from exitspec.train.prompts import gsm8k_train, interleave, sharegpt
 from exitspec.train.rollouts import GenerationSettings, load_rollouts, make_rollouts
 from exitspec.train.trainer import RolloutData, train
 
@@ -47,7 +46,7 @@ def run_train(args) -> int:
     try:
         if args.rollouts_only:
             return run_rollouts(args, dtype)
-        check_training_memory(args.model, args.batch_size, args.max_len, args.anchors, args.block_size, device)
+        check_training_memory(args.model, args.batch_size, args.anchors, args.block_size, device)
         names = {f.name for f in fields(TrainConfig)} - {"dtype", "target"}
         cfg = TrainConfig(**{k: getattr(args, k) for k in names}, target=args.model, dtype=dtype)
         train(cfg, stop_at=args.stop_at, progress=not args.no_progress, device=args.device)
@@ -56,14 +55,11 @@ def run_train(args) -> int:
         dist.teardown()
 
 
-def check_training_memory(model, batch_size: int, max_len: int, anchors: int, block_size: int, device) -> None:
-    """Raises ValueError when a step's largest tensors cannot fit: sequences must fit the target's context,
-    and the draft logits with their gradient (2 · batch·anchors·block·V fp32) must fit in half the free memory."""
-    config = model_config(model)
-    if max_len > config.max_position_embeddings:
-        raise ValueError(f"--max-len {max_len} is longer than the target's context of {config.max_position_embeddings}")
-    need = 2 * 4 * batch_size * anchors * block_size * config.vocab_size
-    free = free_memory(device)
+def check_training_memory(model, batch_size: int, anchors: int, block_size: int, device) -> None:
+    """Raises ValueError when a step's largest tensors cannot fit: the draft logits and their gradient,
+    2 · batch·anchors·block·V fp32, must fit in half the free memory of the device."""
+    vocab = model_config(model).vocab_size
+    need, free = 2 * 4 * batch_size * anchors * block_size * vocab, free_memory(device)
     if need > free / 2:
         raise ValueError(f"--batch-size {batch_size} × --anchors {anchors} × block {block_size} needs about "
                          f"{need / 2**30:.1f} GiB of draft logits per step, over half of the {free / 2**30:.1f} GiB "

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WEIGHT_MODES = ("exit", "prefix", "none")  # ExitTrain's node weights (exit_loss.py)
+# TrainConfig's exit-loss fields, in ExitConfig's order: (TrainConfig field, ExitConfig field)
+EXIT_FIELDS = (("exit_weight", "weight"), ("lam", "lam"), ("budget", "budget"),
+               ("exclude_horizon_leaves", "exclude_horizon_leaves"))
 
 
 @dataclass(frozen=True)
@@ -69,4 +72,4 @@ class TrainConfig:
         self.exit_config()  # validates the exit-loss fields
 
     def exit_config(self) -> ExitConfig:
-        return ExitConfig(self.exit_weight, self.lam, self.budget, exclude_horizon_leaves=self.exclude_horizon_leaves)
+        return ExitConfig(**{exit: getattr(self, mine) for mine, exit in EXIT_FIELDS})

@@ -33,7 +33,7 @@ from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.models import load_model_and_tokenizer
 from exitspec.train import dist
 from exitspec.train.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
-from exitspec.train.config import ExitConfig, TrainConfig
+from exitspec.train.config import EXIT_FIELDS, ExitConfig, TrainConfig
 from exitspec.train.dflash_loss import BlockLoss, DFlashObjective, sample_anchors, target_features
 from exitspec.train.exit_loss import ExitLoss, train_loss
 from exitspec.train.rollouts import Rollout, load_rollouts
@@ -41,8 +41,6 @@ from exitspec.train.rollouts import Rollout, load_rollouts
 BETAS = (0.9, 0.95)
 # config fields a resumed run may change (the data itself is checked by its size)
 RESUMABLE_CHANGES = {"run_dir", "rollouts", "steps", "save_every", "log_every", "keep", "init"}
-# the exit loss's fields: inert, so free to differ, while neither the saved run nor this one uses the exit loss
-EXIT_FIELDS = {"exit_weight", "lam", "budget", "exclude_horizon_leaves"}
 
 
 @dataclass
@@ -119,43 +117,47 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Window:
-    """Metric sums over the steps since the last log line, kept on the device (no sync per step)."""
+    """Metric sums over the steps since the last log line, by name, kept on the device (no sync per step)."""
 
     def __init__(self, block_size: int, device: torch.device):
         self.k = block_size - 1
-        self.sums = torch.zeros(7 + 2 * self.k, dtype=torch.float64, device=device)  # last 3: exit loss, Σ C_p, trees
+        sizes = {"weighted_ce": 1, "weight": 1, "tokens": 1, "grad_norm": 1, "correct_k": self.k, "counted_k": self.k,
+                 "exit_loss": 1, "coverage": 1, "trees": 1}
+        self.sums = {name: torch.zeros(n, dtype=torch.float64, device=device) for name, n in sizes.items()}
         self.steps, self.start = 0, time.perf_counter()
 
     def add(self, out: BlockLoss, tokens: int, grad_norm: Tensor) -> None:
-        w = out.weights.detach()
-        self.sums[0] += (out.ce.detach() * w).sum()
-        self.sums[1] += w.sum()
-        self.sums[2] += tokens
-        self.sums[3] += grad_norm.detach().double()
-        self.sums[4 : 4 + self.k] += out.correct.sum(dim=(0, 1))
-        self.sums[4 + self.k : 4 + 2 * self.k] += (w > 0).sum(dim=(0, 1))
+        w, s = out.weights.detach(), self.sums
+        s["weighted_ce"] += (out.ce.detach() * w).sum()
+        s["weight"] += w.sum()
+        s["tokens"] += tokens
+        s["grad_norm"] += grad_norm.detach().double()
+        s["correct_k"] += out.correct.sum(dim=(0, 1))
+        s["counted_k"] += (w > 0).sum(dim=(0, 1))
         self.steps += 1
 
     def add_exit(self, out: ExitLoss) -> None:
-        self.sums[-3] += out.loss.detach()
-        self.sums[-2] += out.coverage.sum()
-        self.sums[-1] += (out.nodes > 0).sum()
+        self.sums["exit_loss"] += out.loss.detach()
+        self.sums["coverage"] += out.coverage.sum()
+        self.sums["trees"] += (out.nodes > 0).sum()
 
     def reduce(self, world: int) -> dict:
         """Collective: the window's metrics over all processes."""
-        s = dist.all_reduce_sum(self.sums.clone()).tolist()
+        flat = dist.all_reduce_sum(torch.cat(list(self.sums.values())))  # one all-reduce for every sum
+        s = {name: part.tolist() for name, part in zip(self.sums, flat.split([t.numel() for t in self.sums.values()]))}
         seconds = time.perf_counter() - self.start
-        k = self.k
-        acc = [c / max(n, 1) for c, n in zip(s[4 : 4 + k], s[4 + k : 4 + 2 * k], strict=True)]
-        exit_metrics = {"exit_loss": s[-3] / (self.steps * world), "coverage": s[-2] / s[-1]} if s[-1] else {}
+        (tokens,), (trees,) = s["tokens"], s["trees"]
+        acc = [c / max(n, 1) for c, n in zip(s["correct_k"], s["counted_k"], strict=True)]
+        exit_metrics = {"exit_loss": s["exit_loss"][0] / (self.steps * world), "coverage": s["coverage"][0] / trees
+                        } if trees else {}
         return {
             **exit_metrics,
-            "loss": s[0] / max(s[1], 1e-12),
-            "acc": sum(s[4 : 4 + k]) / max(sum(s[4 + k : 4 + 2 * k]), 1),
+            "loss": s["weighted_ce"][0] / max(s["weight"][0], 1e-12),
+            "acc": sum(s["correct_k"]) / max(sum(s["counted_k"]), 1),
             "acc_k": [round(a, 5) for a in acc],
-            "grad_norm": s[3] / (self.steps * world),
-            "tokens": int(s[2]),
-            "tok_per_s": s[2] / seconds,
+            "grad_norm": s["grad_norm"][0] / (self.steps * world),
+            "tokens": int(tokens),
+            "tok_per_s": tokens / seconds,
         }
 
 
@@ -294,7 +296,8 @@ def _check_resumable(state: dict, cfg: TrainConfig, sequences: int, path: Path) 
     defaults = {f.name: f.default for f in fields(TrainConfig)}  # runs saved before a field existed used its default
     current = json.loads(json.dumps(asdict(cfg)))  # as saved: tuples become lists
     was = ExitConfig(saved.get("exit_weight", defaults["exit_weight"]), saved.get("lam", defaults["lam"]))
-    free = RESUMABLE_CHANGES | (EXIT_FIELDS if not (was.active or cfg.exit_config().active) else set())
+    exit_fields = {mine for mine, _ in EXIT_FIELDS}  # inert, so free to differ, while no run uses the exit loss
+    free = RESUMABLE_CHANGES | (exit_fields if not (was.active or cfg.exit_config().active) else set())
     changed = sorted(k for k, v in current.items() if k not in free and saved.get(k, defaults[k]) != v)
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)

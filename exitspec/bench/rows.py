@@ -1,0 +1,142 @@
+"""Benchmark rows: one dataclass per kind, written by `dump_row` and read by `load_row`, one JSON line each.
+
+    EnvRow       a session's header: machine, versions, model and drafter hashes
+    BaselineRow  one prompt's baselines: exitspec's autoregressive loop (ARRun) and transformers' generate (HFRun)
+    SpecRow      one speculative run of one config on that prompt, with its SRs against the baseline row
+
+Version 2 (session 24) added `version` itself; rows written before it are version 1 and load with the
+defaults of the fields they lack (`tree_sizes`, which arrived with `--budget auto`). A row of a newer
+version than this code knows is refused, never half read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+ROW_VERSION = 2
+
+
+@dataclass(kw_only=True)
+class EnvRow:
+    created: str
+    device: str
+    device_name: str
+    dtype: str
+    threads: int
+    torch: str
+    transformers: str
+    python: str
+    load_average: list[float] | None
+    model: str
+    model_sha: str
+    drafters: dict[str, str]  # spec -> checkpoint hash (the spec itself for training-free drafters)
+    kind: str = "env"
+    version: int = ROW_VERSION
+
+
+@dataclass(kw_only=True)
+class ARRun:
+    """exitspec's autoregressive loop on one prompt: the SR baseline."""
+
+    tokens: list[int]
+    text: str | None
+    new_tokens: int
+    total_seconds: float
+    prefill_seconds: float
+    tokens_per_second: float
+    stage_seconds: dict[str, float]
+    stopped_by: str
+
+
+@dataclass(kw_only=True)
+class HFRun:
+    """transformers' model.generate on one prompt: the SR_HF baseline."""
+
+    tokens: list[int]
+    new_tokens: int
+    total_seconds: float
+    tokens_per_second: float
+
+
+@dataclass(kw_only=True)
+class PromptRow:
+    """What names a measured prompt (runner.BASELINE_KEY), and the prompt's size and hash."""
+
+    dataset: str
+    prompt_id: str
+    turn: int
+    repeat: int
+    seed: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    prompt_tokens: int
+    prompt_sha: str
+
+
+@dataclass(kw_only=True)
+class BaselineRow(PromptRow):
+    ar: ARRun
+    hf: HFRun
+    kind: str = "baseline"
+    version: int = ROW_VERSION
+
+
+@dataclass(kw_only=True)
+class SpecRow(PromptRow):
+    drafter: str
+    budget: int | str  # B, or "auto:B"
+    verifier: str
+    tokens: list[int]
+    new_tokens: int
+    rounds: int
+    tau: float
+    mean_coverage: float
+    accepted_lengths: list[int]
+    tokens_per_second: float
+    prefill_seconds: float
+    total_seconds: float
+    stage_seconds: dict[str, float]
+    stopped_by: str
+    sr_ar: float | None  # against the baseline row's ARRun
+    sr_hf: float | None
+    ar_seconds: float
+    ar_tokens: int
+    hf_seconds: float
+    hf_tokens: int
+    matches_ar: bool  # the same tokens as the autoregressive loop (always, at temperature 0)
+    tree_sizes: list[int] = field(default_factory=list)  # N per round (version 1 rows before --budget auto lack it)
+    kind: str = "spec"
+    version: int = ROW_VERSION
+
+
+Row = EnvRow | BaselineRow | SpecRow
+KINDS: dict[str, type] = {"env": EnvRow, "baseline": BaselineRow, "spec": SpecRow}
+NESTED = {"ar": ARRun, "hf": HFRun}
+
+
+def dump_row(row: Row) -> str:
+    """One JSON line (without the newline)."""
+    return json.dumps(asdict(row))
+
+
+def load_row(line: str) -> Row:
+    """The row of one JSON line; ValueError names what is wrong with it."""
+    data = json.loads(line)
+    kind, version = data.get("kind"), data.get("version", 1)
+    if kind not in KINDS:
+        raise ValueError(f"unknown row kind {kind!r}")
+    if not isinstance(version, int) or version > ROW_VERSION:
+        raise ValueError(f"row version {version!r} is newer than this exitspec reads ({ROW_VERSION}); upgrade exitspec")
+    cls = KINDS[kind]
+    names = {f.name for f in fields(cls)}
+    if unknown := sorted(data.keys() - names):
+        raise ValueError(f"{kind} row has unknown fields {unknown}")
+    values = {k: NESTED[k](**v) if k in NESTED else v for k, v in data.items()}
+    values["version"] = ROW_VERSION  # upgraded in memory: the missing fields took their defaults
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ValueError(f"{kind} row is incomplete: {e}") from None
