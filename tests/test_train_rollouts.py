@@ -13,7 +13,15 @@ from transformers import PreTrainedTokenizerFast
 
 from exitspec.cli import main
 from exitspec.data import gsm8k_train, interleave, json_array_records
-from exitspec.train.rollouts import GenerationSettings, done_ids, load_rollouts, make_rollouts
+from exitspec.train.rollouts import (
+    GenerationSettings,
+    LoopStop,
+    done_ids,
+    load_rollouts,
+    loop_start,
+    make_rollouts,
+    summarize_rollouts,
+)
 
 EOS = 1
 SETTINGS = GenerationSettings(model="tiny", max_new_tokens=6)
@@ -158,3 +166,42 @@ def test_cli_rollouts_only(tmp_path):
     assert all(1 <= len(r.response_ids) <= 5 for r in rollouts)
     assert main(["train", "dflash", *argv[:-2]] + ["--gsm8k", "-1"]) == 0  # extends: only gsm8k-train/3 is new
     assert len(load_rollouts(tmp_path / "rollouts")) == 3
+
+
+def test_loops_are_found_where_generation_stops_them():
+    assert loop_start([1, 2, 3] + [5, 6, 7, 8] * 5 + [9], 3) == 11  # keeps 1 2 3 and two copies of 5 6 7 8
+    assert loop_start([7] * 20, 3) == 8
+    assert loop_start(list(range(10, 30)) * 2 + [99], 3) is None  # a text quoted twice is kept
+    assert loop_start(list(range(100)), 3) is None and loop_start([7] * 20, 0) is None
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # LoopStop stops a row exactly at the first token where loop_start finds a loop
+        row = torch.randint(0, 3, (40,), generator=g).tolist()
+        first = next((j for j in range(1, 41) if bool(LoopStop(3)(torch.tensor([row[:j]]), None)[0])), None)
+        cut = loop_start(row, 3)
+        if first is None:
+            assert cut is None
+        else:
+            assert cut is not None and loop_start(row[:first], 3) == cut and loop_start(row[: first - 1], 3) is None
+
+
+def test_looping_rollouts_stop_early_and_keep_one_copy_less(model, tmp_path):
+    prompts = id_prompts(6)
+    plain = GenerationSettings("tiny", max_new_tokens=48)
+    make_rollouts(model, prompts, tmp_path / "plain", plain, [EOS], EOS, batch_size=3, progress=False)
+    stopped = GenerationSettings("tiny", max_new_tokens=48, loop_repeats=2)
+    make_rollouts(model, prompts, tmp_path / "stopped", stopped, [EOS], EOS, batch_size=3, progress=False)
+    reference = {r.id: r.response_ids for r in load_rollouts(tmp_path / "plain")}
+    for r in load_rollouts(tmp_path / "stopped"):
+        assert r.response_ids == reference[r.id][: loop_start(reference[r.id], 2)]
+    summary = summarize_rollouts(tmp_path / "stopped")
+    assert summary["rollouts"] == 6 and summary["looped"] == sum(loop_start(v, 2) is not None for v in reference.values())
+    both = load_rollouts(tmp_path)  # a folder of rollout folders: every shard below it, ids prefixed
+    assert len(both) == 12 and {r.id.split("/")[0] for r in both} == {"plain", "stopped"}
+
+
+def test_python_stdlib_code_prompts():
+    from exitspec.data import python_functions
+
+    prompts = list(python_functions(limit=50))
+    assert len(prompts) == 50 == len({p.id for p in prompts})
+    assert all(p.id.startswith("pystdlib/") and p.text.startswith("Write a Python function `") for p in prompts)

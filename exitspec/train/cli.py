@@ -25,7 +25,7 @@ from exitspec.app import (
     resolve_device,
     resolve_dtype,
 )
-from exitspec.data import gsm8k_train, interleave, load_dataset, sharegpt
+from exitspec.data import gsm8k_train, interleave, load_dataset, python_functions, sharegpt
 from exitspec.decode import encode_prompt
 from exitspec.drafters import drafter_folder, split_chain
 from exitspec.models import DEFAULT_MODEL, load_model_and_tokenizer, model_config
@@ -33,7 +33,7 @@ from exitspec.train import dist
 from exitspec.train.acceptance import heldout_prompts, measure_acceptance
 from exitspec.train.config import TrainConfig
 from exitspec.train.dflash_loss import DFlashObjective
-from exitspec.train.rollouts import GenerationSettings, load_rollouts, make_rollouts
+from exitspec.train.rollouts import GenerationSettings, load_rollouts, make_rollouts, summarize_rollouts
 from exitspec.train.trainer import RolloutData, train
 
 
@@ -130,16 +130,21 @@ def run_rollouts(args, dtype: str) -> int:
         sources.append(encode(gsm8k_train(args.data_dir), tokenizer, args.gsm8k, args.max_prompt_tokens))
     if args.sharegpt:
         sources.append(encode(sharegpt(), tokenizer, args.sharegpt, args.max_prompt_tokens))
+    if args.code:
+        sources.append(encode(python_functions(), tokenizer, args.code, args.max_prompt_tokens))
     settings = GenerationSettings(
         model=str(Path(args.model).resolve()) if args.model else DEFAULT_MODEL,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        loop_repeats=args.loop_repeats,
     )
     prompts = interleave(*sources)
     n = make_rollouts(model, prompts, args.rollouts, settings, *stop_and_pad(model, tokenizer), args.gen_batch_size,
                       args.shard_size, progress=not args.no_progress)
-    print(f"{n} new rollouts in {args.rollouts}")
+    total = summarize_rollouts(args.rollouts)
+    print(f"{n} new rollouts in {args.rollouts}; in all {total['rollouts']} rollouts, {total['response_tokens']} "
+          f"response tokens, {total['looped']} stopped in a repetition loop")
     return 0
 
 

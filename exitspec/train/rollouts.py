@@ -8,7 +8,13 @@ A rollout folder holds
 
 Each shard is written to a temporary file and renamed into place, so a shard is either complete or absent:
 a killed job restarts by skipping every prompt id already present in some shard. A response ends with the
-first end-of-sequence token (kept: the drafter learns to propose it) or after max_new_tokens.
+first end-of-sequence token (kept: the drafter learns to propose it), after max_new_tokens, or, with
+`loop_repeats` R > 0, once some span of 4–64 tokens has come R times back to back: generation stops there
+and the response keeps the first R − 1 copies (a small model's repetition loops would otherwise fill a third
+of the data). Such records carry "looped": true.
+
+A training folder may hold several rollout folders (say greedy/ and t1/, made with different settings):
+`load_rollouts` reads every shard below it.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 META_NAME = "meta.json"
 SHARD_GLOB = "shard-*.jsonl"
@@ -34,6 +41,7 @@ class GenerationSettings:
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0: greedy
     seed: int = 0  # sampling seed of shard i is seed + i
+    loop_repeats: int = 0  # > 0: stop a response at the R-th back-to-back copy of a span (see loop_start)
 
 
 @dataclass(frozen=True)
@@ -44,19 +52,36 @@ class Rollout:
 
 
 def load_rollouts(folder: str | Path) -> list[Rollout]:
-    """Every rollout of every complete shard, sorted by id (a deterministic order, whatever the shard layout)."""
-    shards = sorted(Path(folder).glob(SHARD_GLOB))
+    """Every rollout of every complete shard in or below `folder`, sorted by (sub-folder, id): a deterministic
+    order, whatever the shard layout. Ids are prefixed with their sub-folder ("t1/gsm8k-train/3")."""
+    folder = Path(folder)
+    shards = sorted(folder.rglob(SHARD_GLOB))
     if not shards:
         raise FileNotFoundError(
             f"no rollout shards in {folder}; make them with `exitspec train dflash --rollouts-only`"
         )
     rollouts = {}
     for shard in shards:
+        prefix = shard.parent.relative_to(folder).as_posix()
         with shard.open(encoding="utf-8") as f:
             for line in f:
                 r = json.loads(line)
-                rollouts[r["id"]] = Rollout(r["id"], r["prompt_ids"], r["response_ids"])
+                key = r["id"] if prefix == "." else f"{prefix}/{r['id']}"
+                rollouts[key] = Rollout(key, r["prompt_ids"], r["response_ids"])
     return [rollouts[k] for k in sorted(rollouts)]
+
+
+def summarize_rollouts(folder: str | Path) -> dict:
+    """Rollouts, response tokens and responses stopped in a loop, over every shard in or below `folder`."""
+    counts = {"rollouts": 0, "response_tokens": 0, "looped": 0}
+    for shard in Path(folder).rglob(SHARD_GLOB):
+        with shard.open(encoding="utf-8") as f:
+            for line in f:
+                r = json.loads(line)
+                counts["rollouts"] += 1
+                counts["response_tokens"] += len(r["response_ids"])
+                counts["looped"] += bool(r.get("looped"))
+    return counts
 
 
 def done_ids(folder: str | Path) -> set[str]:
@@ -99,7 +124,9 @@ def make_rollouts(
                 batch = shard[j : j + batch_size]
                 responses = generate(model, [ids for _, ids in batch], settings, eos_ids, pad_id)
                 for (pid, ids), response in zip(batch, responses, strict=True):
-                    records.append({"id": pid, "prompt_ids": ids, "response_ids": response})
+                    cut = loop_start(response, settings.loop_repeats)
+                    loop = {} if cut is None else {"looped": True}
+                    records.append({"id": pid, "prompt_ids": ids, "response_ids": response[:cut], **loop})
                 tokens += sum(map(len, responses))
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
@@ -134,20 +161,62 @@ def generate(
         eos_token_id=list(eos_ids),
         pad_token_id=pad_id,
     )
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config)
+    stop = StoppingCriteriaList([LoopStop(settings.loop_repeats)] if settings.loop_repeats else [])
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config,
+                         stopping_criteria=stop)
     responses = []
-    stop = set(eos_ids)
+    eos = set(eos_ids)
     for row in out[:, width:].tolist():  # [B, T]
-        end = next((k + 1 for k, t in enumerate(row) if t in stop), len(row))
+        end = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
         responses.append(row[:end])
     return responses
+
+
+LOOP_SPANS = range(4, 65)  # span lengths a repetition loop is looked for at
+
+
+def loop_start(tokens: list[int], repeats: int, spans: range = LOOP_SPANS) -> int | None:
+    """Where to cut a response that loops, or None: at the first token where some span has come `repeats`
+    times back to back (the place LoopStop stops generation), the start of that span's last copy. Cutting
+    there keeps repeats − 1 copies: a text quoted twice survives, a loop does not."""
+    if repeats < 2:
+        return None
+    runs = dict.fromkeys(spans, 0)  # per span: how many tokens in a row equal the token `span` before them
+    for j in range(len(tokens)):
+        starts = []
+        for span in spans:
+            if j >= span:
+                runs[span] = runs[span] + 1 if tokens[j] == tokens[j - span] else 0
+                if runs[span] >= (repeats - 1) * span:  # tokens[j - repeats*span + 1 .. j]: `repeats` copies
+                    starts.append(j - span + 1)
+        if starts:
+            return min(starts)
+    return None
+
+
+class LoopStop(StoppingCriteria):
+    """Ends a row of a batched `generate` once its last repeats × span tokens are one span repeated, for any
+    span in LOOP_SPANS (the check of loop_start on each row's tail, as tensor ops)."""
+
+    def __init__(self, repeats: int):
+        self.repeats = repeats
+
+    def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:  # input_ids [B, T] -> [B] bool
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for span in LOOP_SPANS:
+            if self.repeats * span > input_ids.shape[1]:
+                break
+            tail = input_ids[:, -self.repeats * span :]  # [B, R*span]
+            done |= (tail[:, span:] == tail[:, :-span]).all(dim=1)
+        return done
 
 
 def _check_meta(folder: Path, settings: GenerationSettings) -> None:
     """Writes meta.json in a new folder; in an existing one, refuses other settings than those it was made with."""
     meta = folder / META_NAME
     if meta.is_file():
-        old = json.loads(meta.read_text())
+        defaults = {f.name: f.default for f in fields(GenerationSettings) if f.default is not MISSING}
+        old = defaults | json.loads(meta.read_text())  # a field added since the folder was made: its default
         if old != asdict(settings):
             raise ValueError(f"{folder} holds rollouts made with {old}, not {asdict(settings)}; use another folder")
     else:
