@@ -253,6 +253,11 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--gen-batch-size", type=integer(1, 4096), default=16, help="prompts per generate call")
     g.add_argument("--shard-size", type=integer(1), default=64, help="prompts per JSONL shard")
 
+    f = p.add_argument_group("feature cache (the target's hidden states of every rollout, computed once)")
+    f.add_argument("--features", metavar="DIR", help="train on the cached features in DIR instead of running the target")
+    f.add_argument("--features-only", action="store_true", help="make (or extend) the cache in --features DIR and exit")
+    f.add_argument("--features-dtype", choices=("float16", "float32"), default="float16", help="the cache's precision")
+
     t = p.add_argument_group("training")
     d = TrainConfig(rollouts="", run_dir="")
     t.add_argument("--run-dir", default=f"runs/{command}", help="checkpoints, log, final drafter")

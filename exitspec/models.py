@@ -47,6 +47,11 @@ def model_folder(path: str | Path | None) -> Path:
     return path
 
 
+def model_name(path: str | Path | None) -> str:
+    """A model's name in records and cache metadata: the default model's name, or the folder's absolute path."""
+    return DEFAULT_MODEL if path is None else str(Path(path).expanduser().resolve())
+
+
 def model_config(path: str | Path | None):
     """The text config (vocab, layers, context, ...) of a model folder, read from config.json alone."""
     folder = model_folder(path)

@@ -236,3 +236,28 @@ def test_drafter_learns_to_read_the_context(tmp_path):
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert log[0]["acc_k"][0] < 0.2 and log[-1]["acc_k"][0] > 0.4
     assert log[-1]["loss"] < log[0]["loss"] - 1
+
+
+def test_training_on_cached_features_equals_training_on_the_target(setup, capsys):
+    """--features-only caches the target's features once; a run that reads them (fp32 cache) ends with the
+    weights of a run that computes them, and a cache of other layers, or one missing rollouts, is refused."""
+    from exitspec.models import load_model_and_tokenizer
+    from exitspec.train.features import FeatureStore
+
+    cache = setup / "features"
+    argv = ["--target", str(setup / "target"), "--rollouts", str(setup / "rollouts"), "--block-size", "4",
+            "--no-progress", "--device", "cpu", "--features", str(cache), "--features-dtype", "float32"]
+    assert main(["train", "dflash", *argv, "--features-only"]) == 0
+    assert "10 rollouts' features added" in capsys.readouterr().out
+    assert main(["train", "dflash", *argv, "--features-only"]) == 0  # resumable: nothing left to add
+    assert "0 rollouts' features added" in capsys.readouterr().out
+    plain = train(config(setup, "plain"), progress=False, device="cpu")
+    cached = train(config(setup, "cached", features=str(cache)), progress=False, device="cpu")
+    for name, tensor in plain.drafter.state_dict().items():
+        torch.testing.assert_close(cached.drafter.state_dict()[name], tensor, atol=1e-5, rtol=1e-4)
+    layers = make_drafter(config(setup, "x"), load_model_and_tokenizer(setup / "target")[0]).config.target_layer_ids
+    with pytest.raises(ValueError, match="this run reads layers"):
+        FeatureStore(cache, [*layers, 0], str((setup / "target").resolve()))
+    store = FeatureStore(cache, layers, str((setup / "target").resolve()))
+    with pytest.raises(ValueError, match="lacks the features of 1 rollouts"):
+        store.check_covers(["r0", "nope"])

@@ -2,6 +2,7 @@
 
 config       TrainConfig and ExitConfig: the settings, plain dataclasses (no torch), checked on construction
 rollouts     the target's own responses, cached as resumable JSONL shards
+features     the frozen target's hidden states of every rollout, cached once as safetensors shards
 dflash_loss  the DFlash objective: anchors, masked blocks, position-decayed cross-entropy
 tree_eval    the drafter's inference-time trees at training anchors, scored exactly by one target forward
 exit_loss    ExitTrain: the exit-weighted (or prefix-weighted) likelihood of those trees' nodes

@@ -28,13 +28,14 @@ from exitspec.app import (
 from exitspec.data import gsm8k_train, interleave, load_dataset, python_functions, sharegpt
 from exitspec.decode import encode_prompt
 from exitspec.drafters import drafter_folder, split_chain
-from exitspec.models import DEFAULT_MODEL, load_model_and_tokenizer, model_config
+from exitspec.models import load_model_and_tokenizer, model_config, model_name
 from exitspec.train import dist
 from exitspec.train.acceptance import heldout_prompts, measure_acceptance
 from exitspec.train.config import TrainConfig
 from exitspec.train.dflash_loss import DFlashObjective
+from exitspec.train.features import cache_features
 from exitspec.train.rollouts import GenerationSettings, load_rollouts, make_rollouts, summarize_rollouts
-from exitspec.train.trainer import RolloutData, train
+from exitspec.train.trainer import RolloutData, make_drafter, train
 
 
 def run_train(args) -> int:
@@ -46,10 +47,10 @@ def run_train(args) -> int:
     try:
         if args.rollouts_only:
             return run_rollouts(args, dtype)
+        if args.features_only:
+            return run_features(args, dtype)
         check_training_memory(args.model, args.batch_size, args.anchors, args.block_size, device)
-        names = {f.name for f in fields(TrainConfig)} - {"dtype", "target"}
-        cfg = TrainConfig(**{k: getattr(args, k) for k in names}, target=args.model, dtype=dtype)
-        train(cfg, stop_at=args.stop_at, progress=not args.no_progress, device=args.device)
+        train(train_config(args, dtype), stop_at=args.stop_at, progress=not args.no_progress, device=args.device)
         return 0
     finally:
         dist.teardown()
@@ -94,8 +95,7 @@ def run_eval(args) -> list[dict]:
     if tokenizer is None:
         raise ValueError("held-out prompts are text: the target folder needs a tokenizer")
     settings = GenerationSettings(
-        model=str(Path(args.model).resolve()) if args.model else DEFAULT_MODEL,
-        max_new_tokens=args.max_new_tokens, temperature=0.0, seed=args.seed,
+        model=model_name(args.model), max_new_tokens=args.max_new_tokens, temperature=0.0, seed=args.seed,
     )
     data = {}
     for spec in args.datasets:
@@ -118,6 +118,27 @@ def run_eval(args) -> list[dict]:
     return rows
 
 
+def run_features(args, dtype: str) -> int:
+    """Caches the target's features of every rollout not yet in --features (one process)."""
+    if not args.features:
+        raise ValueError("--features-only needs --features DIR, the cache folder")
+    if dist.setup(args.device).world > 1:
+        raise ValueError("make the feature cache with one process")
+    model, _ = load_model_and_tokenizer(args.model, resolve_device(args.device), getattr(torch, dtype))
+    layer_ids = make_drafter(train_config(args, dtype), model).config.target_layer_ids  # the run's context layers
+    rollouts = load_rollouts(args.rollouts)
+    n = cache_features(model, rollouts, args.features, layer_ids, model_name(args.model),
+                       getattr(torch, args.features_dtype), batch_size=args.gen_batch_size, progress=not args.no_progress)
+    print(f"{n} rollouts' features added to {args.features} (layers {list(layer_ids)}, {args.features_dtype})")
+    return 0
+
+
+def train_config(args, dtype: str) -> TrainConfig:
+    """The TrainConfig of a parsed `train dflash | exit` command line."""
+    names = {f.name for f in fields(TrainConfig)} - {"dtype", "target"}
+    return TrainConfig(**{k: getattr(args, k) for k in names}, target=args.model, dtype=dtype)
+
+
 def run_rollouts(args, dtype: str) -> int:
     """Generates the rollouts not yet in args.rollouts (one process: the folder is not shared between ranks)."""
     if dist.setup(args.device).world > 1:
@@ -133,7 +154,7 @@ def run_rollouts(args, dtype: str) -> int:
     if args.code:
         sources.append(encode(python_functions(), tokenizer, args.code, args.max_prompt_tokens))
     settings = GenerationSettings(
-        model=str(Path(args.model).resolve()) if args.model else DEFAULT_MODEL,
+        model=model_name(args.model),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,

@@ -37,6 +37,7 @@ class TrainConfig:
     run_dir: str
     target: str | None = None  # HF causal-LM folder; None: the default SmolLM2-135M-Instruct
     init: str | None = None  # start from this drafter checkpoint instead of a fresh one
+    features: str | None = None  # read the target's features from this cache (features.py) instead of the target
     num_layers: int = 1  # fresh drafter only
     block_size: int = 16  # fresh drafter only
     target_layers: tuple[int, ...] | None = None  # fresh drafter only; None: the reference's default layers

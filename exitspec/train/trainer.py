@@ -30,17 +30,18 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from exitspec.drafters.dflash_model import DFlashModel
-from exitspec.models import load_model_and_tokenizer
+from exitspec.models import load_model_and_tokenizer, model_name
 from exitspec.train import dist
 from exitspec.train.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from exitspec.train.config import EXIT_FIELDS, ExitConfig, TrainConfig
 from exitspec.train.dflash_loss import BlockLoss, DFlashObjective, sample_anchors, target_features
 from exitspec.train.exit_loss import ExitLoss, train_loss
+from exitspec.train.features import FeatureStore
 from exitspec.train.rollouts import Rollout, load_rollouts
 
 BETAS = (0.9, 0.95)
 # config fields a resumed run may change (the data itself is checked by its size)
-RESUMABLE_CHANGES = {"run_dir", "rollouts", "steps", "save_every", "log_every", "keep", "init"}
+RESUMABLE_CHANGES = {"run_dir", "rollouts", "steps", "save_every", "log_every", "keep", "init", "features"}
 
 
 @dataclass
@@ -61,11 +62,9 @@ class RolloutData:
     """
 
     def __init__(self, rollouts: list[Rollout], max_len: int, seed: int, step_size: int = 1, bucket_steps: int = 16):
-        self.seqs = [
-            ((r.prompt_ids + r.response_ids)[:max_len], len(r.prompt_ids))
-            for r in rollouts
-            if len(r.prompt_ids) + 2 <= min(max_len, len(r.prompt_ids) + len(r.response_ids))
-        ]
+        kept = [r for r in rollouts if len(r.prompt_ids) + 2 <= min(max_len, len(r.prompt_ids) + len(r.response_ids))]
+        self.seqs = [((r.prompt_ids + r.response_ids)[:max_len], len(r.prompt_ids)) for r in kept]
+        self.keys = [r.id for r in kept]  # rollout ids, aligned with seqs
         self.dropped = len(rollouts) - len(self.seqs)
         if not self.seqs:
             raise ValueError("no rollout has a response of two tokens or more within max_len")
@@ -95,6 +94,10 @@ class RolloutData:
                 self._order = (epoch, self.epoch_order(epoch))
             out.append(int(self._order[1][g % len(self)]))
         return out
+
+    def keys_at(self, position: int, rank: int, batch_size: int) -> list[str]:
+        """The rollout ids of `batch`'s rows, in its order."""
+        return [self.keys[i] for i in self.indices(position + rank * batch_size, batch_size)]
 
     def batch(self, position: int, rank: int, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
         """Process `rank`'s share of the step at `position`: ids [B, L] right-padded with 0, starts [B] (first
@@ -177,6 +180,10 @@ def train(
     objective = DFlashObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(), cfg.gamma)
     optimizer = make_optimizer(drafter, cfg)
     data = RolloutData(load_rollouts(cfg.rollouts), cfg.max_len, cfg.seed, step_size=d.world * cfg.batch_size)
+    store = None
+    if cfg.features:  # the target's features read from the cache: the steps skip the target forward
+        store = FeatureStore(cfg.features, drafter.config.target_layer_ids, model_name(cfg.target))
+        store.check_covers(data.keys)
     anchor_gen = torch.Generator().manual_seed(cfg.seed * 65_536 + d.rank + 1)
 
     step, position = 0, 0
@@ -214,7 +221,10 @@ def train(
         ids, starts, lengths = data.batch(position, d.rank, cfg.batch_size)
         anchors, keep = sample_anchors(starts, lengths, cfg.anchors, anchor_gen)
         ids, lengths, anchors, keep = (t.to(d.device) for t in (ids, lengths, anchors, keep))
-        features = target_features(target, ids, lengths, layer_ids)  # [B, L, F]
+        if store is None:
+            features = target_features(target, ids, lengths, layer_ids)  # [B, L, F]
+        else:
+            features = store.batch(data.keys_at(position, d.rank, cfg.batch_size), lengths, d.device, target.dtype)
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
