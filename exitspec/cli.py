@@ -42,7 +42,7 @@ from exitspec.options import (
     sampling_options,
     text,
 )
-from exitspec.train.config import EXIT_FIELDS, WEIGHT_MODES, TrainConfig
+from exitspec.train.config import EXIT_FIELDS, LOSSES, WEIGHT_MODES, TrainConfig
 
 RAW = argparse.RawDescriptionHelpFormatter
 DEFAULTS = type("DefaultsFormatter", (RAW, argparse.ArgumentDefaultsHelpFormatter), {})  # docstring + defaults
@@ -257,6 +257,8 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     f.add_argument("--features", metavar="DIR", help="train on the cached features in DIR instead of running the target")
     f.add_argument("--features-only", action="store_true", help="make (or extend) the cache in --features DIR and exit")
     f.add_argument("--features-dtype", choices=("float16", "float32"), default="float16", help="the cache's precision")
+    f.add_argument("--topk", type=integer(0, 1024), default=0,
+                   help="also cache the target's K most likely next tokens and their probabilities (for --loss kl)")
 
     t = p.add_argument_group("training")
     d = TrainConfig(rollouts="", run_dir="")
@@ -278,6 +280,9 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     t.add_argument("--warmup", type=integer(0), default=d.warmup, help="linear warmup steps")
     t.add_argument("--weight-decay", type=real(), default=d.weight_decay, help="AdamW, on matrices only")
     t.add_argument("--grad-clip", type=real(0.0, low_open=True), default=d.grad_clip, help="max gradient norm")
+    t.add_argument("--loss", choices=LOSSES, default=d.loss,
+                   help="block loss: ce on the sampled tokens, kl to the target's distribution (Draft-OPD; needs a "
+                        "--topk feature cache), or their sum")
     t.add_argument("--gamma", type=real(0.0, low_open=True), default=d.gamma,
                    help="loss weight exp(-(k-1)/gamma) of block slot k; DFlash: 7 for block 16, 5 for 10, 4 for 8")
     t.add_argument("--save-every", type=integer(1), default=d.save_every, help="checkpoint interval in steps")

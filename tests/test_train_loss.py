@@ -174,3 +174,28 @@ def test_accuracy_is_reported_per_block_position(objective, batch):
     assert valid[..., 2].sum() == 2  # anchors 10 of 12 and 7 of 9 have no third slot
     assert metrics["tokens"] == 21
     assert metrics["loss"] == pytest.approx(out.loss.item(), rel=1e-6)
+
+
+def test_soft_cross_entropy_is_the_partition_cross_entropy():
+    """With the whole vocabulary in the top-k it is H(p, q); with a one-hot p it is the token cross-entropy."""
+    from exitspec.train.dflash_loss import soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 4, 7, generator=g)  # [B, N, S, V]
+    target = torch.softmax(torch.randn(2, 5, 7, generator=g), dim=-1)  # [B, L, V]: p at every position
+    positions = torch.randint(0, 5, (2, 3, 4), generator=g)  # [B, N, S]
+    p_full, i_full = target.topk(7, dim=-1)
+    got = soft_cross_entropy(logits, p_full, i_full, positions)
+    p_at = target.gather(1, positions.flatten(1)[..., None].expand(-1, -1, 7)).view(2, 3, 4, 7)
+    torch.testing.assert_close(got, -(p_at * logits.log_softmax(-1)).sum(-1))
+    p2, i2 = target.topk(2, dim=-1)  # the rest lumped: −Σ p_i log q_i − r log(1 − Σ q_i) over the top 2
+    got2 = soft_cross_entropy(logits, p2, i2, positions)
+    q = logits.softmax(-1)
+    top = i2.gather(1, positions.flatten(1)[..., None].expand(-1, -1, 2)).view(2, 3, 4, 2)
+    pp = p2.gather(1, positions.flatten(1)[..., None].expand(-1, -1, 2)).view(2, 3, 4, 2)
+    q_top = q.gather(-1, top)
+    expected = -(pp * q_top.log()).sum(-1) - (1 - pp.sum(-1)) * (1 - q_top.sum(-1)).log()
+    torch.testing.assert_close(got2, expected)
+    one_hot = torch.ones(2, 5, 1)  # p = 1 on token 3 everywhere: the plain cross-entropy
+    ce = -logits.log_softmax(-1)[..., 3]
+    torch.testing.assert_close(soft_cross_entropy(logits, one_hot, torch.full((2, 5, 1), 3), positions), ce)

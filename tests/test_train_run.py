@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from dataclasses import asdict, replace
@@ -261,3 +262,25 @@ def test_training_on_cached_features_equals_training_on_the_target(setup, capsys
     store = FeatureStore(cache, layers, str((setup / "target").resolve()))
     with pytest.raises(ValueError, match="lacks the features of 1 rollouts"):
         store.check_covers(["r0", "nope"])
+
+
+def test_kl_distillation_trains_on_a_topk_cache(setup, capsys):
+    """--topk caches the target's next-token distribution; --loss kl (Draft-OPD) and ce+kl train on it, the
+    whole-vocabulary kl moves the weights away from ce's, and kl without such a cache is refused."""
+    cache = setup / "features-topk"
+    argv = ["--target", str(setup / "target"), "--rollouts", str(setup / "rollouts"), "--block-size", "4",
+            "--no-progress", "--device", "cpu", "--features", str(cache)]
+    assert main(["train", "dflash", *argv, "--features-only", "--topk", "32"]) == 0  # 32 = the whole vocabulary
+    runs = {loss: train(config(setup, f"loss-{loss}", features=str(cache), loss=loss), progress=False, device="cpu")
+            for loss in ("ce", "kl", "ce+kl")}
+    for loss, result in runs.items():
+        window = result.summary["last_window"]
+        assert window["loss"] > 0 and math.isfinite(window["loss"]), loss
+    fc = {loss: r.drafter.state_dict()["fc.weight"] for loss, r in runs.items()}
+    assert not torch.allclose(fc["ce"], fc["kl"]) and not torch.allclose(fc["kl"], fc["ce+kl"])
+    with pytest.raises(ValueError, match="needs --features DIR"):
+        config(setup, "nope", loss="kl")
+    plain = [*argv[:-1], str(setup / "features-plain")]
+    assert main(["train", "dflash", *plain, "--features-only"]) == 0  # no --topk: features alone
+    assert main(["train", "dflash", *plain, "--run-dir", str(setup / "r"), "--steps", "1", "--loss", "kl"]) == 2
+    assert "holds no top-k probabilities" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WEIGHT_MODES = ("exit", "prefix", "none")  # ExitTrain's node weights (exit_loss.py)
+LOSSES = ("ce", "kl", "ce+kl")  # the block loss (dflash_loss.py): sampled tokens, the target's distribution, both
 # TrainConfig's exit-loss fields, in ExitConfig's order: (TrainConfig field, ExitConfig field)
 EXIT_FIELDS = (("exit_weight", "weight"), ("lam", "lam"), ("budget", "budget"),
                ("exclude_horizon_leaves", "exclude_horizon_leaves"))
@@ -52,6 +53,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # on matrices only
     grad_clip: float = 1.0
     gamma: float = 7.0  # loss decay over block positions
+    loss: str = "ce"  # one of LOSSES; kl needs a feature cache with the target's top-k probabilities
     seed: int = 0
     dtype: str = "float32"  # the target's dtype; bfloat16 also runs the drafter under bf16 autocast
     save_every: int = 200
@@ -68,6 +70,10 @@ class TrainConfig:
         ]
         if small:
             raise ValueError(f"{', '.join(small)} must be >= 1")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.loss != "ce" and not self.features:
+            raise ValueError(f"--loss {self.loss} needs --features DIR, a cache made with --topk K > 0")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         self.exit_config()  # validates the exit-loss fields

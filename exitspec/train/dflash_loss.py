@@ -8,6 +8,13 @@ x_{a+k}; slots past the sequence end are masked out. The loss is the cross-entro
 with weight exp(−(k−1)/γ): early slots matter most, since a draft is accepted only up to its first miss.
 γ = 7 is DFlash's choice for block size 16 (the reference recipe uses 5 for 10 and 4 for 8).
 
+`loss="kl"` (Draft-OPD's position-wise distillation) replaces the sampled token x_{a+k} by the target's whole
+next-token distribution p at position a+k−1: slot k minimises the cross-entropy H(p, q) = KL(p ‖ q) + H(p)
+of its draft distribution q. p comes from the feature cache as its top-k probabilities plus the remaining
+mass r, so the loss is exact on the (k+1)-way partition {top-k tokens, the rest}:
+    −Σ_{i ≤ k} p_i log q_i − r · log(1 − Σ_{i ≤ k} q_i).
+`ce+kl` adds both.
+
 Features come from the frozen target (one causal forward per batch), logits from its frozen LM head, block
 embeddings from its frozen input embeddings; only the drafter trains.
 """
@@ -89,7 +96,7 @@ def target_features(model: PreTrainedModel, ids: Tensor, lengths: Tensor, layer_
 
 
 class BlockLoss(NamedTuple):
-    loss: Tensor  # scalar: weighted mean cross-entropy of the valid slots
+    loss: Tensor  # scalar: the weighted mean over valid slots of the chosen loss (ce, kl or both)
     ce: Tensor  # [B, N, bs−1] per-slot cross-entropy (also at invalid slots, where it means nothing)
     weights: Tensor  # [B, N, bs−1] loss weights, 0 at invalid slots
     correct: Tensor  # [B, N, bs−1] bool: a valid slot whose argmax is the true token
@@ -98,13 +105,19 @@ class BlockLoss(NamedTuple):
 class DFlashObjective(nn.Module):
     """The drafter plus the target's frozen embeddings and LM head: the module that DDP wraps."""
 
-    def __init__(self, drafter: DFlashModel, embed: nn.Embedding, lm_head: nn.Module, gamma: float = 7.0):
+    def __init__(
+        self, drafter: DFlashModel, embed: nn.Embedding, lm_head: nn.Module, gamma: float = 7.0, loss: str = "ce"
+    ):
         super().__init__()
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
-        self.gamma = gamma
+        self.gamma, self.loss = gamma, loss
 
-    def forward(self, ids: Tensor, features: Tensor, lengths: Tensor, anchors: Tensor, keep: Tensor) -> BlockLoss:
-        """ids [B, L], features [B, L, F], lengths [B], anchors / keep [B, N] (see `sample_anchors`)."""
+    def forward(
+        self, ids: Tensor, features: Tensor, lengths: Tensor, anchors: Tensor, keep: Tensor,
+        soft: tuple[Tensor, Tensor] | None = None,
+    ) -> BlockLoss:
+        """ids [B, L], features [B, L, F], lengths [B], anchors / keep [B, N] (see `sample_anchors`); soft: the
+        target's top-k probabilities and token ids at every position, [B, L, k] each (needed by kl)."""
         drafter, bs = self.drafter, self.drafter.block_size
         b, n = anchors.shape
         dtype = drafter.fc.weight.dtype
@@ -121,6 +134,27 @@ class DFlashObjective(nn.Module):
         targets = ids.gather(1, target_pos.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(target_pos)
         ce = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(targets)
         weights = valid * position_weights(bs, self.gamma, ids.device)  # [B, N, bs−1]
-        loss = (ce * weights).sum() / weights.sum()
+        per_slot = ce
+        if self.loss != "ce":
+            if soft is None:
+                raise ValueError(f"the {self.loss} loss needs the target's top-k probabilities (a --topk feature cache)")
+            kl = soft_cross_entropy(logits, *soft, (target_pos - 1).clamp(max=ids.shape[1] - 1))  # [B, N, bs−1]
+            per_slot = kl if self.loss == "kl" else ce + kl
+        loss = (per_slot * weights).sum() / weights.sum()
         correct = (logits.argmax(dim=-1) == targets) & valid
         return BlockLoss(loss, ce, weights, correct)
+
+
+def soft_cross_entropy(logits: Tensor, top_probs: Tensor, top_ids: Tensor, positions: Tensor) -> Tensor:
+    """H(p, q) on the partition {top-k tokens, the rest}: logits [B, N, S, V] of the draft q; top_probs /
+    top_ids [B, L, k] of the target's p at every position; positions [B, N, S]: where each slot's p is read.
+    Returns [B, N, S]."""
+    b, n, s, _ = logits.shape
+    k = top_probs.shape[-1]
+    where = positions.flatten(1)[..., None].expand(-1, -1, k)  # [B, N·S, k]
+    p = top_probs.gather(1, where).view(b, n, s, k).float()  # [B, N, S, k]
+    idx = top_ids.gather(1, where).view(b, n, s, k).long()
+    log_q = logits.float().log_softmax(dim=-1).gather(-1, idx)  # [B, N, S, k]
+    rest_p = (1.0 - p.sum(dim=-1)).clamp(min=0.0)  # [B, N, S]
+    rest_log_q = torch.log1p(-log_q.exp().sum(dim=-1).clamp(max=1.0 - 1e-6))  # log(1 − Σ_top q)
+    return -(p * log_q).sum(dim=-1) - rest_p * rest_log_q

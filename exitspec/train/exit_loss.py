@@ -101,6 +101,7 @@ def train_loss(
     anchors: Tensor,
     keep: Tensor,
     cfg: ExitConfig,
+    soft: tuple[Tensor, Tensor] | None = None,
 ) -> TrainLoss:
     """L_tok + λ·L_exit for one batch: the block loss, then one frozen target forward over every anchor's tree.
 
@@ -108,11 +109,11 @@ def train_loss(
     HF causal LM; ids [B, L], features [B, L, F], lengths [B], anchors / keep [B, N] as for DFlashObjective.
     """
     if not cfg.active:
-        block = model(ids, features, lengths, anchors, keep)
+        block = model(ids, features, lengths, anchors, keep, soft)
         return TrainLoss(block.loss, block, None)
     objective = model.module if isinstance(model, DistributedDataParallel) else model
     with captured_output(objective.lm_head) as outputs:
-        block = model(ids, features, lengths, anchors, keep)
+        block = model(ids, features, lengths, anchors, keep, soft)
     (draft_logits,) = outputs  # [B·N·(bs−1), V]: the block's drafted slots, with grad
     draft_logits = draft_logits.float().view(*anchors.shape, objective.drafter.block_size - 1, -1)  # [B, N, bs−1, V]
     trees = build_anchor_trees(draft_logits, ids.gather(1, anchors), keep, cfg.budget)  # [B*N, M]

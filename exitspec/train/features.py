@@ -5,10 +5,12 @@ its sequences (dflash_loss.target_features). The target is frozen, so they never
 the target once over the rollouts and stores them, and training then reads them instead of running the
 target (`exitspec train dflash --features DIR`).
 
-    DIR/meta.json                 {"target", "layer_ids", "dtype", "feature_size"}: a folder is only extended,
-                                  or read, with the same ones
-    DIR/shard-00000.safetensors   one tensor per rollout, named by its id: [L, F] for its L tokens
-                                  (prompt + response, before any max_len cut)
+    DIR/meta.json                 {"target", "layer_ids", "dtype", "feature_size", "topk"}: a folder is only
+                                  extended, or read, with the same ones
+    DIR/shard-00000.safetensors   per rollout, named by its id: "<id>" [L, F] features of its L tokens (prompt +
+                                  response, before any max_len cut); with topk = k > 0 also "<id>#p" [L, k]
+                                  and "<id>#i" [L, k]: the target's k most likely next tokens at each position
+                                  and their probabilities (the soft targets of the kl loss, dflash_loss.py)
 
 Shards are written to a temporary file and renamed into place, so a killed job resumes by skipping every
 rollout already in a complete shard. fp16 halves the disk (about 1.2 GB per million tokens for one
@@ -44,6 +46,7 @@ def cache_features(
     layer_ids: Sequence[int],
     target_name: str,
     dtype: torch.dtype = torch.float16,
+    topk: int = 0,
     batch_size: int = 8,
     shard_size: int = 256,
     progress: bool = True,
@@ -51,7 +54,7 @@ def cache_features(
     """Stores the features of the rollouts not yet in `folder`; returns how many it added."""
     folder = Path(folder)
     meta = {"target": target_name, "layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch."),
-            "feature_size": target.config.get_text_config().hidden_size * len(layer_ids)}
+            "feature_size": target.config.get_text_config().hidden_size * len(layer_ids), "topk": topk}
     _check_meta(folder, meta)
     done = set(shard_keys(folder))
     todo = sorted((r for r in rollouts if r.id not in done), key=lambda r: len(r.prompt_ids) + len(r.response_ids))
@@ -68,8 +71,13 @@ def cache_features(
                 ids[row, : len(seq)] = torch.tensor(seq, device=device)
             with torch.no_grad():
                 features = target_features(target, ids, lengths, layer_ids)  # [B, L, F]
+                top = _top_probs(target, ids, lengths, topk) if topk else None  # ([B, L, k], [B, L, k])
             for row, r in enumerate(batch):
-                tensors[r.id] = features[row, : len(seqs[row])].to("cpu", dtype).contiguous()
+                n = len(seqs[row])
+                tensors[r.id] = features[row, :n].to("cpu", dtype).contiguous()
+                if top is not None:
+                    tensors[f"{r.id}#p"] = top[0][row, :n].to("cpu", torch.float16).contiguous()
+                    tensors[f"{r.id}#i"] = top[1][row, :n].to("cpu", torch.int32).contiguous()
             bar.update(len(batch))
         path = folder / f"shard-{shard_no:05d}.safetensors"
         tmp = path.with_name(f".{path.name}.tmp")
@@ -80,13 +88,22 @@ def cache_features(
     return len(todo)
 
 
+def _top_probs(target: PreTrainedModel, ids: Tensor, lengths: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The target's k most likely next tokens at every position of ids [B, L], and their probabilities."""
+    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
+    logits = target(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, L, V]
+    probs, top_ids = logits.float().softmax(dim=-1).topk(k, dim=-1)  # [B, L, k] each
+    return probs, top_ids
+
+
 def shard_keys(folder: str | Path) -> dict[str, Path]:
     """Rollout id -> the shard that holds its features, over every complete shard of `folder`."""
     index = {}
     for shard in sorted(Path(folder).glob(SHARD_GLOB)):
         check_safetensors(shard, "delete it and rerun --features-only to remake it")
         with safe_open(shard, framework="pt") as f:
-            index.update(dict.fromkeys(f.keys(), shard))
+            names = f.keys()  # a safetensors handle, not a dict: it iterates only through keys()
+        index.update(dict.fromkeys((name for name in names if "#" not in name), shard))
     return index
 
 
@@ -104,6 +121,7 @@ class FeatureStore:
             raise ValueError(f"{self.folder} holds features of layers {meta['layer_ids']} of {meta['target']}; this "
                              f"run reads layers {list(layer_ids)} of {target_name}")
         self.index = shard_keys(self.folder)
+        self.topk = meta.get("topk", 0)
 
     def check_covers(self, keys: Sequence[str]) -> None:
         if missing := [k for k in keys if k not in self.index]:
@@ -112,14 +130,24 @@ class FeatureStore:
 
     def batch(self, keys: Sequence[str], lengths: Tensor, device, dtype: torch.dtype) -> Tensor:
         """features [B, L, F] of rollouts `keys`, cut to lengths [B] and right-padded with zeros."""
+        return self._stack(keys, "", lengths, dtype).to(device)
+
+    def soft_targets(self, keys: Sequence[str], lengths: Tensor, device) -> tuple[Tensor, Tensor]:
+        """The target's top-k probabilities [B, L, k] (float32) and token ids [B, L, k] (int64) of `keys`."""
+        if not self.topk:
+            raise ValueError(f"{self.folder} holds no top-k probabilities; remake it with --topk K")
+        probs = self._stack(keys, "#p", lengths, torch.float32).to(device)
+        return probs, self._stack(keys, "#i", lengths, torch.long).to(device)
+
+    def _stack(self, keys: Sequence[str], suffix: str, lengths: Tensor, dtype: torch.dtype) -> Tensor:
         rows = []
         for key, length in zip(keys, lengths.tolist(), strict=True):
             with safe_open(self.index[key], framework="pt") as f:
-                rows.append(f.get_slice(key)[:length])  # [length, F], read from disk, not the whole tensor
-        out = torch.zeros(len(rows), int(lengths.max()), rows[0].shape[-1], dtype=dtype)
+                rows.append(f.get_slice(key + suffix)[:length])  # [length, ...], only these rows read from disk
+        out = torch.zeros(len(rows), int(lengths.max()), *rows[0].shape[1:], dtype=dtype)
         for i, row in enumerate(rows):
             out[i, : row.shape[0]] = row
-        return out.to(device)
+        return out
 
 
 def _check_meta(folder: Path, meta: dict) -> None:

@@ -177,7 +177,9 @@ def train(
     bf16 = cfg.dtype == "bfloat16"
     target, _ = load_model_and_tokenizer(cfg.target, d.device, getattr(torch, cfg.dtype))
     drafter = make_drafter(cfg, target).to(d.device).train()
-    objective = DFlashObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(), cfg.gamma)
+    objective = DFlashObjective(
+        drafter, target.get_input_embeddings(), target.get_output_embeddings(), cfg.gamma, cfg.loss
+    )
     optimizer = make_optimizer(drafter, cfg)
     data = RolloutData(load_rollouts(cfg.rollouts), cfg.max_len, cfg.seed, step_size=d.world * cfg.batch_size)
     store = None
@@ -221,15 +223,18 @@ def train(
         ids, starts, lengths = data.batch(position, d.rank, cfg.batch_size)
         anchors, keep = sample_anchors(starts, lengths, cfg.anchors, anchor_gen)
         ids, lengths, anchors, keep = (t.to(d.device) for t in (ids, lengths, anchors, keep))
+        soft = None
         if store is None:
             features = target_features(target, ids, lengths, layer_ids)  # [B, L, F]
         else:
-            features = store.batch(data.keys_at(position, d.rank, cfg.batch_size), lengths, d.device, target.dtype)
+            keys = data.keys_at(position, d.rank, cfg.batch_size)
+            features = store.batch(keys, lengths, d.device, target.dtype)  # [B, L, F]
+            soft = store.soft_targets(keys, lengths, d.device) if cfg.loss != "ce" else None  # [B, L, k] x 2
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = train_loss(model, target, ids, features, lengths, anchors, keep, exit_cfg)
+            out = train_loss(model, target, ids, features, lengths, anchors, keep, exit_cfg, soft)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
