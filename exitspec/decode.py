@@ -1,7 +1,7 @@
 """The decode loop: draft → build → one target forward over the tree → verify → commit, round after round.
 
     context ids ─ drafter.propose ─▶ proposal ─ drafter.build ─▶ DraftTree (≤ B nodes)
-        ─ target.forward_tree ─▶ logits [N+1, V] (+ features) ─ target_probs ─▶ p [N+1, V]
+        ─ target.forward_tree ─▶ logits [N+1, V] (+ features) ─ WarpedRows: p_v, warped as a verifier reads it
         ─ verifier ─▶ Verdict(path, bonus) ─ target.commit(path), drafter.commit(...) ─▶ stream tokens
 
 The target's KV cache holds every committed token but the last, which roots the next tree. Each round
@@ -24,12 +24,12 @@ from torch import Tensor
 
 from exitspec.budget import AutoBudget, CostModel
 from exitspec.drafters import Drafter, default_drafter
-from exitspec.flow import tree_flow
+from exitspec.flow import parent_row_flow, tree_flow
 from exitspec.options import budget_cap, parse_budget
-from exitspec.sampling import SamplingParams, sample_rows, target_probs
+from exitspec.sampling import SamplingParams, WarpedRows, sample_rows, target_probs
 from exitspec.target import TargetModel, synchronize
 from exitspec.tree import DraftTree
-from exitspec.verify import DECIDERS, Verdict, check_verifier
+from exitspec.verify import DECIDERS, Verdict, check_verifier, decide_tev_rows
 
 STAGES = ("draft", "build", "target", "verify", "commit")
 Prompt = str | Sequence[dict] | Sequence[int] | Tensor
@@ -282,12 +282,16 @@ class SpeculativeDecoder:
             with timer("target"):
                 forward = target.forward_tree(tree)
             with timer("verify"):
-                probs = target_probs(forward.logits, params)  # [N+1, V]
-                if tree.num_nodes:
-                    flow = tree_flow(tree, probs, check=False)  # P, rho, w (Eqs. 1–5) of the tree just verified
+                rows = WarpedRows(forward.logits, params)  # the target distribution, warped as rows are read
+                if tree.num_nodes and verifier == "tev":  # reads the parents' rows and the exit node's
+                    flow = parent_row_flow(tree, rows)  # P, rho, w (Eqs. 1–5) of the tree just verified
+                    verdict = decide_tev_rows(tree, rows, generator, flow)
+                elif tree.num_nodes:
+                    probs = rows.all()  # [N+1, V]
+                    flow = tree_flow(tree, probs, check=False)
                     verdict = DECIDERS[verifier](tree, probs, generator, flow)
                 else:  # a root alone: every saturated verifier exits there (w = 1) and draws from p_root
-                    flow, verdict = None, Verdict([], int(sample_rows(probs[0], generator)))
+                    flow, verdict = None, Verdict([], int(sample_rows(rows.rows([0])[0], generator)))
             with timer("commit"):
                 target.commit(tree, verdict.path)
                 kept = [0, *verdict.path]
@@ -305,7 +309,7 @@ class SpeculativeDecoder:
             context.extend(block)
             rounds.append(RoundStats(tree.num_nodes, len(verdict.path), emitted, coverage))
             if on_round is not None:
-                on_round(RoundTrace(tree, probs, verdict, emitted))
+                on_round(RoundTrace(tree, rows.all(), verdict, emitted))
             if max_rounds is not None and len(rounds) >= max_rounds and not run.done:
                 run.stopped_by = "max_rounds"
                 break

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from exitspec.sampling import WarpedRows
 from exitspec.tree import DraftTree, TreeBatch
 
 
@@ -45,6 +46,21 @@ def tree_flow(tree: DraftTree | TreeBatch, probs: Tensor, check: bool = True) ->
         check_probs(tree, probs)
     parent_idx = tree.parents.clamp(min=0)  # [..., M]; the root points at itself, its edge is set to 1
     edge = probs.flatten(-2).gather(-1, parent_idx * probs.shape[-1] + tree.tokens)  # [..., M] Eq. 1
+    return edge_flow(tree, edge)
+
+
+def parent_row_flow(tree: DraftTree, rows: WarpedRows) -> TreeFlow:
+    """tree_flow of one tree from the warped rows of its parent nodes only: a leaf's row is never read."""
+    unique, inverse = torch.unique(tree.parents[1:], return_inverse=True)  # [P], [N]
+    parent_rows = rows.rows(unique.tolist())  # [P, V]
+    edge = torch.ones(tree.size, dtype=parent_rows.dtype, device=parent_rows.device)  # [N+1]
+    edge[1:] = parent_rows[inverse, tree.tokens[1:]]  # Eq. 1
+    return edge_flow(tree, edge)
+
+
+def edge_flow(tree: DraftTree | TreeBatch, edge: Tensor) -> TreeFlow:
+    """The exit law (Eqs. 2–5) from the edge probabilities edge [..., M] = p_parent(u)(x_u) (root: any)."""
+    parent_idx = tree.parents.clamp(min=0)  # [..., M]
     edge = edge.index_fill(-1, torch.zeros(1, dtype=torch.long, device=edge.device), 1.0) * tree.valid
     reach = torch.where(tree.ancestors, edge.unsqueeze(-2), 1.0).prod(dim=-1)  # [..., M] Eq. 2
     child_mass = torch.zeros_like(edge).scatter_add_(-1, parent_idx[..., 1:], edge[..., 1:])  # [..., M]

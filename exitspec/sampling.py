@@ -8,6 +8,7 @@ the target's greedy output token for token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +112,25 @@ def sample_rows(probs: Tensor, generator: torch.Generator | None = None) -> Tens
     drawn = torch.searchsorted(cdf, u, right=True)
     last_positive = torch.searchsorted(cdf, total, right=False)
     return torch.minimum(drawn, last_positive).squeeze(-1)
+
+
+class WarpedRows:
+    """The target distribution of a tree's nodes (target_probs of logits [N+1, V]), warped row by row when a
+    verifier first reads a row, and kept. TEV reads only the rows of nodes with children (for the edge
+    probabilities) and the exit node's row (for its residual): on a 32-node tree that is about half the rows,
+    so half the warp, which is most of the verify stage."""
+
+    def __init__(self, logits: Tensor, params: SamplingParams):
+        self.logits, self.params = logits, params  # [N+1, V]
+        self._rows: dict[int, Tensor] = {}
+
+    def rows(self, nodes: Sequence[int]) -> Tensor:
+        """[len(nodes), V] float32: the warped rows of `nodes`, each warped once."""
+        missing = [v for v in dict.fromkeys(nodes) if v not in self._rows]
+        if missing:
+            self._rows.update(zip(missing, target_probs(self.logits[missing], self.params), strict=True))
+        return torch.stack([self._rows[v] for v in nodes])
+
+    def all(self) -> Tensor:
+        """[N+1, V]: every row (what predraw, sequential and greedy read)."""
+        return self.rows(range(self.logits.shape[0]))

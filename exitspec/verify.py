@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from exitspec.flow import TreeFlow, node_residual, tree_flow
-from exitspec.sampling import SamplingParams, sample_rows, target_probs
+from exitspec.sampling import SamplingParams, WarpedRows, sample_rows, target_probs
 from exitspec.tree import DraftTree
 
 
@@ -99,6 +99,19 @@ def decide_tev(
     while True:
         node = int(sample_rows(exit_mass, generator))
         residual = node_residual(tree, probs, node)  # [V]
+        if bool(residual.sum() > 0):
+            return Verdict(tree.path(node), int(sample_rows(residual, generator)))
+        exit_mass[node] = 0.0
+
+
+def decide_tev_rows(tree: DraftTree, rows: WarpedRows, generator: torch.Generator | None, flow: TreeFlow) -> Verdict:
+    """decide_tev on lazily warped rows: flow = parent_row_flow(tree, rows); only the exit node's row is
+    warped beyond the parents'. The decode loop's TEV path: the same law, about half the warp."""
+    exit_mass = flow.exit.clone()  # [N+1]
+    while True:
+        node = int(sample_rows(exit_mass, generator))
+        residual = rows.rows([node])[0].clone()  # [V]
+        residual[tree.tokens[tree.children[node]]] = 0.0
         if bool(residual.sum() > 0):
             return Verdict(tree.path(node), int(sample_rows(residual, generator)))
         exit_mass[node] = 0.0

@@ -20,11 +20,11 @@ def test_synthetic_json(tmp_path):
     assert [(r["budget"], r["temperature"]) for r in rows] == [(4, 1.0), (4, 0.5), (8, 1.0), (8, 0.5)]
     for row in rows:
         assert 1 <= row["nodes"] <= row["budget"] and row["top_p"] == 0.9
-        assert set(row["median_ms"]) == {"warp", "check", "predraw", "tev", "sequential", "greedy"}
+        assert set(row["median_ms"]) == {"warp", "check", "tev_rows", "predraw", "tev", "sequential", "greedy"}
         assert all(ms > 0 for ms in row["median_ms"].values())
         assert row["speedup"] == pytest.approx(row["median_ms"]["predraw"] / row["median_ms"]["tev"])
         stage = row["stage_median_ms"]
-        assert stage["predraw"] > 0 and stage["tev"] > 0
+        assert stage["predraw"] > 0 and stage["tev"] == row["median_ms"]["tev_rows"] and stage["tev_full_warp"] > 0
         assert row["stage_speedup"] == pytest.approx(stage["predraw"] / stage["tev"])
 
 

@@ -17,9 +17,19 @@ from exitspec.check import (
     random_tree,
     sample_verdicts,
 )
-from exitspec.sampling import SamplingParams
+from exitspec.flow import parent_row_flow, tree_flow
+from exitspec.sampling import SamplingParams, WarpedRows, target_probs
 from exitspec.tree import DraftTree, InvalidTreeError
-from exitspec.verify import DECIDERS, Verdict, _follow, check_verifier, decide_predraw, decide_sequential, verify
+from exitspec.verify import (
+    DECIDERS,
+    Verdict,
+    _follow,
+    check_verifier,
+    decide_predraw,
+    decide_sequential,
+    decide_tev_rows,
+    verify,
+)
 
 VOCAB = 6
 DRAWS = 20_000
@@ -34,6 +44,36 @@ def test_verifier_matches_exit_law(name, params):
     result = check_law(name, DECIDERS[name], tree, probs, params, DRAWS, seed=3)
     assert result.p_value > 1e-3, result
     assert abs(result.mean_length - result.expected_length) < 3 * result.std_err, result
+
+
+@pytest.mark.parametrize("params", LAW_PARAMS, ids=["t1", "top_p0.9"])
+def test_tev_on_lazily_warped_rows_matches_exit_law(params):
+    """The decode loop's TEV (parent_row_flow + decide_tev_rows) keeps the law: probs enter as log-probs, which
+    the plain warp turns back into the same distribution (zeros become masked -inf entries)."""
+    tree, probs = law_case(12, params)
+
+    def lean(tree, probs, gen):
+        rows = WarpedRows(probs.log(), SamplingParams(1.0))
+        return decide_tev_rows(tree, rows, gen, parent_row_flow(tree, rows))
+
+    result = check_law("tev-rows", lean, tree, probs, params, DRAWS, seed=4)
+    assert result.p_value > 1e-3 and abs(result.mean_length - result.expected_length) < 3 * result.std_err, result
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5), SamplingParams(1.3, top_p=0.8),
+                                    SamplingParams(0.0)], ids=["t1", "topk", "topp", "greedy"])
+def test_parent_rows_give_the_full_flow(params):
+    """parent_row_flow reads only the parents' rows and gets tree_flow's exit law on all of them."""
+    g = torch.Generator().manual_seed(1)
+    for seed in range(5):
+        tree, _ = law_case(seed, params, vocab=40)
+        logits = torch.randn(tree.size, 40, generator=g) * 3
+        rows = WarpedRows(logits, params)
+        lean = parent_row_flow(tree, rows)
+        full = tree_flow(tree, target_probs(logits, params))
+        for name in ("edge", "reach", "rho", "exit", "coverage"):
+            torch.testing.assert_close(getattr(lean, name), getattr(full, name))
+        assert set(rows._rows) == set(tree.parents[1:].tolist())  # leaves were never warped
 
 
 def test_sequential_law_does_not_depend_on_child_order():

@@ -261,14 +261,14 @@ def verifier_markdown(result: dict) -> str:
                f"top-p {result['top_p']}")
     lines = ["# Verifier latency (table 3)", "", setting, ""]
     header = ["B", "N", "T", "C_p", "predraw ms", "TEV ms", "speedup", "sequential ms", "greedy ms",
-              "stage predraw ms", "stage TEV ms", "stage speedup", "check_probs ms"]
+              "stage predraw ms", "stage TEV ms", "stage speedup", "full-warp TEV stage ms", "check_probs ms"]
     body = []
     for r in result["rows"]:
         m, s = r["median_ms"], r["stage_median_ms"]
         body.append([str(r["budget"]), f"{r['nodes']:.0f}", f"{r['temperature']:g}", f"{r['coverage']:.2f}",
                      f"{m['predraw']:.3f}", f"{m['tev']:.3f}", f"{r['speedup']:.2f}×", f"{m['sequential']:.3f}",
                      f"{m['greedy']:.3f}", f"{s['predraw']:.3f}", f"{s['tev']:.3f}", f"{r['stage_speedup']:.2f}×",
-                     f"{m['check']:.3f}" if "check" in m else "–"])
+                     _num(s.get("tev_full_warp"), digits=3), _num(m.get("check"), digits=3)])
     return "\n".join(lines + _markdown_table(header, body)) + "\n"
 
 
