@@ -50,11 +50,9 @@ def tree_flow(tree: DraftTree | TreeBatch, probs: Tensor, check: bool = True) ->
 
 
 def parent_row_flow(tree: DraftTree, rows: WarpedRows) -> TreeFlow:
-    """tree_flow of one tree from the warped rows of its parent nodes only: a leaf's row is never read."""
-    unique, inverse = torch.unique(tree.parents[1:], return_inverse=True)  # [P], [N]
-    parent_rows = rows.rows(unique.tolist())  # [P, V]
-    edge = torch.ones(tree.size, dtype=parent_rows.dtype, device=parent_rows.device)  # [N+1]
-    edge[1:] = parent_rows[inverse, tree.tokens[1:]]  # Eq. 1
+    """tree_flow of one tree from its parent nodes' rows only (WarpedRows.edges): a leaf's row is never read."""
+    edge = torch.ones(tree.size, device=tree.parents.device)  # [N+1]
+    edge[1:] = rows.edges(tree.parents[1:], tree.tokens[1:])  # Eq. 1
     return edge_flow(tree, edge)
 
 

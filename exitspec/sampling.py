@@ -131,6 +131,21 @@ class WarpedRows:
             self._rows.update(zip(missing, target_probs(self.logits[missing], self.params), strict=True))
         return torch.stack([self._rows[v] for v in nodes])
 
+    def edges(self, rows: Tensor, tokens: Tensor) -> Tensor:
+        """p_row(token) for row indices rows [n] and tokens [n]: the edge probabilities of Eq. 1.
+
+        Without top-k or top-p, p_v(x) = exp(l_v(x)/T − logsumexp(l_v/T)): one reduction per distinct row and
+        nothing of width V written, instead of the warped rows; those are read only where a filter needs them."""
+        params = self.params
+        if params.greedy or params.top_k or params.top_p < 1.0:
+            unique, inverse = torch.unique(rows, return_inverse=True)
+            return self.rows(unique.tolist())[inverse, tokens]
+        unique, inverse = torch.unique(rows, return_inverse=True)  # [P], [n]
+        scaled = self.logits[unique].float() / params.temperature  # [P, V]
+        check_logits(scaled)
+        log_norm = torch.logsumexp(scaled, dim=-1)  # [P]
+        return torch.exp(scaled[inverse, tokens] - log_norm[inverse])
+
     def all(self) -> Tensor:
         """[N+1, V]: every row (what predraw, sequential and greedy read)."""
         return self.rows(range(self.logits.shape[0]))

@@ -73,7 +73,7 @@ def test_parent_rows_give_the_full_flow(params):
         full = tree_flow(tree, target_probs(logits, params))
         for name in ("edge", "reach", "rho", "exit", "coverage"):
             torch.testing.assert_close(getattr(lean, name), getattr(full, name))
-        assert set(rows._rows) == set(tree.parents[1:].tolist())  # leaves were never warped
+        assert set(rows._rows) <= set(tree.parents[1:].tolist())  # no leaf row was warped
 
 
 def test_sequential_law_does_not_depend_on_child_order():
