@@ -137,10 +137,9 @@ class WarpedRows:
         Without top-k or top-p, p_v(x) = exp(l_v(x)/T − logsumexp(l_v/T)): one reduction per distinct row and
         nothing of width V written, instead of the warped rows; those are read only where a filter needs them."""
         params = self.params
-        if params.greedy or params.top_k or params.top_p < 1.0:
-            unique, inverse = torch.unique(rows, return_inverse=True)
-            return self.rows(unique.tolist())[inverse, tokens]
         unique, inverse = torch.unique(rows, return_inverse=True)  # [P], [n]
+        if params.greedy or params.top_k or params.top_p < 1.0:
+            return self.rows(unique.tolist())[inverse, tokens]
         scaled = self.logits[unique].float() / params.temperature  # [P, V]
         check_logits(scaled)
         log_norm = torch.logsumexp(scaled, dim=-1)  # [P]

@@ -33,9 +33,8 @@ from transformers import PreTrainedModel
 
 from exitspec.models import check_safetensors
 from exitspec.train.dflash_loss import target_features
-from exitspec.train.rollouts import Rollout
+from exitspec.train.rollouts import META_NAME, Rollout, check_folder_meta
 
-META_NAME = "meta.json"
 SHARD_GLOB = "shard-*.safetensors"
 
 
@@ -55,7 +54,7 @@ def cache_features(
     folder = Path(folder)
     meta = {"target": target_name, "layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch."),
             "feature_size": target.config.get_text_config().hidden_size * len(layer_ids), "topk": topk}
-    _check_meta(folder, meta)
+    check_folder_meta(folder, meta, "features")
     done = set(shard_keys(folder))
     todo = sorted((r for r in rollouts if r.id not in done), key=lambda r: len(r.prompt_ids) + len(r.response_ids))
     shard_no = len(list(folder.glob(SHARD_GLOB)))
@@ -148,19 +147,6 @@ class FeatureStore:
         for i, row in enumerate(rows):
             out[i, : row.shape[0]] = row
         return out
-
-
-def _check_meta(folder: Path, meta: dict) -> None:
-    path = folder / META_NAME
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if old != meta:
-            raise ValueError(f"{folder} holds features made with {old}, not {meta}; use another folder")
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(meta, indent=1) + "\n")
-        os.replace(tmp, path)
 
 
 def _chunks(items: list, size: int):

@@ -213,15 +213,21 @@ class LoopStop(StoppingCriteria):
 
 def _check_meta(folder: Path, settings: GenerationSettings) -> None:
     """Writes meta.json in a new folder; in an existing one, refuses other settings than those it was made with."""
-    meta = folder / META_NAME
-    if meta.is_file():
-        defaults = {f.name: f.default for f in fields(GenerationSettings) if f.default is not MISSING}
-        old = defaults | json.loads(meta.read_text())  # a field added since the folder was made: its default
-        if old != asdict(settings):
-            raise ValueError(f"{folder} holds rollouts made with {old}, not {asdict(settings)}; use another folder")
+    defaults = {f.name: f.default for f in fields(GenerationSettings) if f.default is not MISSING}
+    check_folder_meta(folder, asdict(settings), "rollouts", defaults)
+
+
+def check_folder_meta(folder: Path, meta: dict, what: str, defaults: dict | None = None) -> None:
+    """A cache folder's meta.json: written in a new folder; in an existing one, anything but `meta` is refused
+    (a field added since the folder was made counts as its value in `defaults`)."""
+    path = folder / META_NAME
+    if path.is_file():
+        old = (defaults or {}) | json.loads(path.read_text())
+        if old != meta:
+            raise ValueError(f"{folder} holds {what} made with {old}, not {meta}; use another folder")
     else:
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(meta, json.dumps(asdict(settings), indent=2) + "\n")
+        _write_atomic(path, json.dumps(meta, indent=2) + "\n")
 
 
 def _write_atomic(path: Path, text: str) -> None:
