@@ -23,13 +23,14 @@ from exitspec.models import load_model_and_tokenizer, model_config
 from exitspec.options import DEFAULT_MODEL, DTYPES, budget_cap, check_device_name
 from exitspec.target import TargetModel
 
-__all__ = ["load_decoders", "load_target", "resolve_device", "resolve_dtype", "setup_cpu"]
+__all__ = ["load_decoders", "resolve_device", "resolve_dtype", "setup_cpu"]
 
 
-def resolve_device(name: str | None = None) -> torch.device:
+def resolve_device(name: str | torch.device | None = None) -> torch.device:
     """A usable torch device: None picks cuda when available, else cpu; anything else is checked."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = str(name)
     device = torch.device(check_device_name(name))
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -71,18 +72,13 @@ def load_decoders(
 
     if threads:
         torch.set_num_threads(threads)
-    device = resolve_device(None if device is None else str(device))
+    device = resolve_device(device)
     hf_model, tokenizer = load_model_and_tokenizer(model, device, resolve_dtype(dtype, device))
     decoders = {}
     for spec in dict.fromkeys(drafters):
         drafter = load_drafter(spec, hf_model)
         decoders[spec] = SpeculativeDecoder(TargetModel(hf_model, tokenizer, drafter.feature_layers), drafter)
     return decoders
-
-
-def load_target(model: str | Path | None, device=None, dtype="auto", threads: int | None = None) -> TargetModel:
-    """The target alone (no drafter, no tapped features): for the autoregressive baseline and oracle trees."""
-    return load_decoders(model, ["ngram"], device, dtype, threads)["ngram"].target
 
 
 def check_budgets(budgets: Sequence[int | str], model: str | Path | None, device=None) -> None:
@@ -104,7 +100,7 @@ def check_budgets(budgets: Sequence[int | str], model: str | Path | None, device
     rows, cols = cap + 1, context + cap + 1
     floats = 4 * rows * config.vocab_size + rows * cols * (1 + config.num_attention_heads)
     floats += 3 * rows * config.intermediate_size
-    need, free = 4 * floats, free_memory(resolve_device(None if device is None else str(device)))
+    need, free = 4 * floats, free_memory(resolve_device(device))
     if need > free / 2:
         raise ValueError(f"a budget of {cap} draft tokens needs about {need / 2**30:.1f} GiB per tree forward at a "
                          f"full context, over half of the {free / 2**30:.1f} GiB free here; use a smaller --budget")

@@ -123,6 +123,7 @@ class WarpedRows:
     def __init__(self, logits: Tensor, params: SamplingParams):
         self.logits, self.params = logits, params  # [N+1, V]
         self._rows: dict[int, Tensor] = {}
+        self._all: Tensor | None = None
 
     def rows(self, nodes: Sequence[int]) -> Tensor:
         """[len(nodes), V] float32: the warped rows of `nodes`, each warped once."""
@@ -146,5 +147,8 @@ class WarpedRows:
         return torch.exp(scaled[inverse, tokens] - log_norm[inverse])
 
     def all(self) -> Tensor:
-        """[N+1, V]: every row (what predraw, sequential and greedy read)."""
-        return self.rows(range(self.logits.shape[0]))
+        """[N+1, V]: every row (what predraw, sequential and greedy read), in one warp when none was read yet."""
+        if self._all is None:
+            n = self.logits.shape[0]
+            self._all = self.rows(range(n)) if self._rows else target_probs(self.logits, self.params)
+        return self._all

@@ -110,7 +110,7 @@ def decide_tev_rows(tree: DraftTree, rows: WarpedRows, generator: torch.Generato
     exit_mass = flow.exit.clone()  # [N+1]
     while True:
         node = int(sample_rows(exit_mass, generator))
-        residual = rows.rows([node])[0].clone()  # [V]
+        residual = rows.rows([node])[0]  # [V], a fresh copy: rows() stacks
         residual[tree.tokens[tree.children[node]]] = 0.0
         if bool(residual.sum() > 0):
             return Verdict(tree.path(node), int(sample_rows(residual, generator)))
