@@ -271,6 +271,8 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
                    help="context layers of a fresh drafter, e.g. 15,27 (default: the DFlash reference's choice)")
     t.add_argument("--context-window", type=integer(1),
                    help="fresh drafter: blocks see only the last W context rows, in training and inference (default: all)")
+    t.add_argument("--draft-vocab", type=integer(0), default=d.draft_vocab,
+                   help="draft over the N tokens most frequent in the responses, a cheaper head (0: all tokens)")
     t.add_argument("--steps", type=integer(1), default=d.steps, help="optimizer steps")
     t.add_argument("--batch-size", type=integer(1), default=d.batch_size, help="sequences per process and step")
     t.add_argument("--anchors", type=integer(1), default=d.anchors, help="blocks per sequence")

@@ -119,10 +119,14 @@ def test_greedy_equals_transformers_generate(model, verifier, budget):
 
 
 @pytest.mark.parametrize("verifier", ["greedy", "tev"])
-def test_greedy_with_a_dflash_drafter_equals_generate(model, verifier):
-    """An untrained DFlash drafter reads target features through the whole loop; the output stays exact."""
+@pytest.mark.parametrize("draft_vocab", [None, [0, 2, 5, 6]])
+def test_greedy_with_a_dflash_drafter_equals_generate(model, verifier, draft_vocab):
+    """An untrained DFlash drafter reads target features through the whole loop; the output stays exact, also
+    when it drafts over a few tokens only (a draft vocabulary)."""
     torch.manual_seed(0)
     draft = DFlashModel.for_target(model.config, num_layers=1, block_size=6, std=0.5)
+    if draft_vocab is not None:
+        draft.use_draft_vocab(torch.tensor(draft_vocab))
     drafter = DFlashDrafter(draft, model.get_input_embeddings(), model.get_output_embeddings())
     decoder = SpeculativeDecoder(TargetModel(model, feature_layers=drafter.feature_layers), drafter)
     expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)

@@ -27,6 +27,7 @@ from exitspec.build import build_ddtree
 from exitspec.calibrate import SourceMerge, copy_bins, copy_calibrator, model_bins, model_calibrator
 from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel
 from exitspec.drafters.ngram import NgramDrafter, NgramProposal
+from exitspec.drafters.vocab import DraftHead
 from exitspec.tree import DraftTree
 
 
@@ -89,6 +90,7 @@ class DFlashDrafter:
         self.model = model.to(self.device).eval()
         self.embed = target_embeddings
         self.lm_head = target_lm_head
+        self.head = DraftHead(target_lm_head, self.model.draft_vocab)  # W or its draft-vocabulary rows
         self.feature_layers: tuple[int, ...] = tuple(cfg.target_layer_ids)
         self.block_size = cfg.block_size
         self.vocab_size = vocab
@@ -152,7 +154,7 @@ class DFlashDrafter:
         if window is not None:
             ctx_k, ctx_v = ctx_k[:, :, :, -window:], ctx_v[:, :, :, -window:]
         hidden = self.model.decode(block, positions, ctx_k, ctx_v)  # [1, bs, D]
-        return self.lm_head(hidden[0, 1 : 1 + depth].to(self.lm_head.weight.dtype)).float()  # [H, V]
+        return self.head.expand(self.head(hidden[0, 1 : 1 + depth])).float()  # [H, V]
 
     def build(self, proposal: DFlashProposal, root_token: int, budget: int) -> DraftTree:
         """The `budget` best nodes of the DDTree over the marginals (the most probable prefixes) and of the

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from exitspec.drafters.vocab import check_draft_vocab
 from exitspec.models import check_safetensors
 
 CONFIG_NAME = "config.json"
@@ -75,6 +76,7 @@ class DFlashConfig:
     max_position_embeddings: int = 40960
     attention_bias: bool = False
     context_window: int | None = None  # blocks see only the last W context rows (None: all, as released)
+    draft_vocab_size: int | None = None  # Vd: logits over the checkpoint's `draft_vocab` ids only (vocab.py)
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -83,6 +85,8 @@ class DFlashConfig:
             raise ValueError(f"context_window must be >= 1 or None, got {self.context_window}")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise ValueError(f"target_layer_ids must be non-empty and >= 0, got {list(self.target_layer_ids)}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}")
 
     @property
     def feature_size(self) -> int:
@@ -140,6 +144,7 @@ class DFlashConfig:
             max_position_embeddings=int(field("max_position_embeddings", 40960)),
             attention_bias=bool(field("attention_bias", False)),
             context_window=None if field("context_window", None) is None else int(field("context_window")),
+            draft_vocab_size=None if field("draft_vocab_size", None) is None else int(field("draft_vocab_size")),
         )
 
     def to_dict(self) -> dict:
@@ -147,6 +152,8 @@ class DFlashConfig:
         dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
         if self.context_window is not None:
             dflash["context_window"] = self.context_window
+        if self.draft_vocab_size is not None:
+            dflash["draft_vocab_size"] = self.draft_vocab_size
         if self.mask_token_id is None:
             dflash["mask_embedding"] = LEARNED_MASK
         return {
@@ -324,6 +331,8 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.mask_token_id is None else None
+        size = config.draft_vocab_size
+        self.register_buffer("draft_vocab", None if size is None else torch.arange(size))  # [Vd] token ids, or None
 
     @property
     def block_size(self) -> int:
@@ -374,6 +383,12 @@ class DFlashModel(nn.Module):
                 nn.init.ones_(module.weight)
         if self.mask_embedding is not None:
             nn.init.normal_(self.mask_embedding, std=std)
+
+    def use_draft_vocab(self, vocab: Tensor) -> None:
+        """Restricts the drafter's logits to the token ids `vocab` [Vd] (ascending; see vocab.py)."""
+        check_draft_vocab(vocab, self.config.vocab_size, "use_draft_vocab")
+        self.config.draft_vocab_size = vocab.numel()
+        self.register_buffer("draft_vocab", vocab.to(self.fc.weight.device))
 
     @torch.no_grad()
     def calibrate_fc(self, features: Tensor) -> None:
@@ -457,6 +472,8 @@ class DFlashModel(nn.Module):
         tensors = load_file(weights)
         model.check_state_dict(tensors, source=str(weights))
         model.load_state_dict(tensors, assign=True)
+        if model.draft_vocab is not None:
+            check_draft_vocab(model.draft_vocab, config.vocab_size, str(weights))
         return model.to(device=device, dtype=dtype).eval()
 
     def check_state_dict(self, tensors: dict[str, Tensor], source: str = "checkpoint") -> None:

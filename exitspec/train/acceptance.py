@@ -27,7 +27,6 @@ from exitspec.decode import encode_prompt
 from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.train.dflash_loss import DFlashObjective, sample_anchors, target_features
-from exitspec.train.exit_loss import captured_output
 from exitspec.train.trainer import RolloutData
 from exitspec.train.tree_eval import build_anchor_trees, tree_logits
 
@@ -72,9 +71,7 @@ def measure_acceptance(
         picked, keep = sample_anchors(starts, lengths, anchors, gen)
         ids, lengths, picked, keep = (x.to(device) for x in (ids, lengths, picked, keep))
         features = target_features(target, ids, lengths, drafter.config.target_layer_ids)  # [B, L, F]
-        with captured_output(objective.lm_head) as outputs:
-            objective(ids, features, lengths, picked, keep)
-        draft_logits = outputs[0].float().view(*picked.shape, horizon, -1)  # [B, N, H, V]
+        draft_logits = objective.head.expand(objective(ids, features, lengths, picked, keep).logits)  # [B, N, H, V]
         kept = keep.flatten()  # [B*N]
         for budget in budgets:
             trees = build_anchor_trees(draft_logits, ids.gather(1, picked), keep, budget)  # [B*N, M]

@@ -49,17 +49,17 @@ def run_train(args) -> int:
             return run_rollouts(args, dtype)
         if args.features_only:
             return run_features(args, dtype)
-        check_training_memory(args.model, args.batch_size, args.anchors, args.block_size, device)
+        check_training_memory(args.model, args.batch_size, args.anchors, args.block_size, args.draft_vocab, device)
         train(train_config(args, dtype), stop_at=args.stop_at, progress=not args.no_progress, device=args.device)
         return 0
     finally:
         dist.teardown()
 
 
-def check_training_memory(model, batch_size: int, anchors: int, block_size: int, device) -> None:
+def check_training_memory(model, batch_size: int, anchors: int, block_size: int, draft_vocab: int, device) -> None:
     """Raises ValueError when a step's largest tensors cannot fit: the draft logits and their gradient,
-    2 · batch·anchors·block·V fp32, must fit in half the free memory of the device."""
-    vocab = model_config(model).vocab_size
+    2 · batch·anchors·block·V fp32 (V: the draft vocabulary), must fit in half the free memory of the device."""
+    vocab = draft_vocab or model_config(model).vocab_size
     need, free = 2 * 4 * batch_size * anchors * block_size * vocab, free_memory(device)
     if need > free / 2:
         raise ValueError(f"--batch-size {batch_size} × --anchors {anchors} × block {block_size} needs about "

@@ -43,6 +43,7 @@ class TrainConfig:
     block_size: int = 16  # fresh drafter only
     target_layers: tuple[int, ...] | None = None  # fresh drafter only; None: the reference's default layers
     context_window: int | None = None  # fresh drafter only; blocks see the last W context rows (None: all)
+    draft_vocab: int = 0  # > 0: logits over the Vd tokens most frequent in the responses (drafters/vocab.py)
     steps: int = 1000
     batch_size: int = 8  # sequences per process and step
     anchors: int = 32  # blocks per sequence

@@ -15,6 +15,10 @@ mass r, so the loss is exact on the (k+1)-way partition {top-k tokens, the rest}
     −Σ_{i ≤ k} p_i log q_i − r · log(1 − Σ_{i ≤ k} q_i).
 `ce+kl` adds both.
 
+A drafter with a draft vocabulary (drafters/vocab.py) has logits over its Vd tokens only: a slot whose
+token lies outside gets no loss (the drafter cannot propose it, so it only counts as a miss), and in kl the
+target's mass on such tokens joins the rest r.
+
 Features come from the frozen target (one causal forward per batch), logits from its frozen LM head, block
 embeddings from its frozen input embeddings; only the drafter trains.
 """
@@ -29,6 +33,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from exitspec.drafters.dflash_model import DFlashModel
+from exitspec.drafters.vocab import DraftHead
 
 
 def position_weights(block_size: int, gamma: float, device=None) -> Tensor:
@@ -100,6 +105,7 @@ class BlockLoss(NamedTuple):
     ce: Tensor  # [B, N, bs−1] per-slot cross-entropy (also at invalid slots, where it means nothing)
     weights: Tensor  # [B, N, bs−1] loss weights, 0 at invalid slots
     correct: Tensor  # [B, N, bs−1] bool: a valid slot whose argmax is the true token
+    logits: Tensor  # [B, N, bs−1, Vd] the drafted slots' logits over the draft vocabulary (with grad)
 
 
 class DFlashObjective(nn.Module):
@@ -110,6 +116,7 @@ class DFlashObjective(nn.Module):
     ):
         super().__init__()
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
+        self.head = DraftHead(lm_head, drafter.draft_vocab)  # logits over the drafter's vocabulary [.., Vd]
         self.gamma, self.loss = gamma, loss
 
     def forward(
@@ -128,33 +135,39 @@ class DFlashObjective(nn.Module):
         hidden = drafter(blocks, positions, features.to(dtype), ctx_positions, anchors)  # [B, N*bs, D]
         hidden = hidden.view(b, n, bs, -1)[:, :, 1:].reshape(b * n * (bs - 1), -1)  # [B·N·(bs−1), D]: drafted slots
         # a contiguous 2D input makes the LM head one matmul; the strided 4D view fell back to a bmm ~10x slower
-        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float().view(b, n, bs - 1, -1)  # [B, N, bs−1, V]
+        logits = self.head(hidden).float().view(b, n, bs - 1, -1)  # [B, N, bs−1, Vd]
         target_pos = anchors[..., None] + offsets[1:]  # [B, N, bs−1]
         valid = keep[..., None] & (target_pos < lengths[:, None, None])  # [B, N, bs−1]
         targets = ids.gather(1, target_pos.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(target_pos)
-        ce = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(targets)
-        weights = valid * position_weights(bs, self.gamma, ids.device)  # [B, N, bs−1]
+        columns = self.head.columns(targets)  # [B, N, bs−1]: −1 where the token is outside the draft vocabulary
+        ce = F.cross_entropy(logits.flatten(0, 2), columns.flatten(), ignore_index=-1, reduction="none")
+        ce = ce.view_as(targets)  # 0 at a token the drafter cannot propose: such a slot only counts as wrong
+        weights = valid * (columns >= 0) * position_weights(bs, self.gamma, ids.device)  # [B, N, bs−1]
         per_slot = ce
         if self.loss != "ce":
             if soft is None:
                 raise ValueError(f"the {self.loss} loss needs the target's top-k probabilities (a --topk feature cache)")
-            kl = soft_cross_entropy(logits, *soft, (target_pos - 1).clamp(max=ids.shape[1] - 1))  # [B, N, bs−1]
+            top_probs, top_ids = soft
+            where = (target_pos - 1).clamp(max=ids.shape[1] - 1)  # [B, N, bs−1]: the position whose p it reads
+            kl = soft_cross_entropy(logits, top_probs, self.head.columns(top_ids.long()), where)  # [B, N, bs−1]
             per_slot = kl if self.loss == "kl" else ce + kl
-        loss = (per_slot * weights).sum() / weights.sum()
-        correct = (logits.argmax(dim=-1) == targets) & valid
-        return BlockLoss(loss, ce, weights, correct)
+        loss = (per_slot * weights).sum() / weights.sum().clamp(min=1e-12)
+        correct = (logits.argmax(dim=-1) == columns) & valid
+        return BlockLoss(loss, ce, weights, correct, logits)
 
 
-def soft_cross_entropy(logits: Tensor, top_probs: Tensor, top_ids: Tensor, positions: Tensor) -> Tensor:
-    """H(p, q) on the partition {top-k tokens, the rest}: logits [B, N, S, V] of the draft q; top_probs /
-    top_ids [B, L, k] of the target's p at every position; positions [B, N, S]: where each slot's p is read.
+def soft_cross_entropy(logits: Tensor, top_probs: Tensor, top_columns: Tensor, positions: Tensor) -> Tensor:
+    """H(p, q) on the partition {top-k tokens, the rest}: logits [B, N, S, Vd] of the draft q; top_probs /
+    top_columns [B, L, k] of the target's p at every position (a token's column in the draft logits, −1 for one
+    outside the draft vocabulary: its mass joins the rest); positions [B, N, S]: where each slot's p is read.
     Returns [B, N, S]."""
     b, n, s, _ = logits.shape
     k = top_probs.shape[-1]
     where = positions.flatten(1)[..., None].expand(-1, -1, k)  # [B, N·S, k]
-    p = top_probs.gather(1, where).view(b, n, s, k).float()  # [B, N, S, k]
-    idx = top_ids.gather(1, where).view(b, n, s, k).long()
-    log_q = logits.float().log_softmax(dim=-1).gather(-1, idx)  # [B, N, S, k]
+    idx = top_columns.gather(1, where).view(b, n, s, k)  # [B, N, S, k]
+    inside = idx >= 0
+    p = top_probs.gather(1, where).view(b, n, s, k).float() * inside  # [B, N, S, k]
+    log_q = logits.float().log_softmax(dim=-1).gather(-1, idx.clamp(min=0))  # [B, N, S, k]; read where inside
     rest_p = (1.0 - p.sum(dim=-1)).clamp(min=0.0)  # [B, N, S]
-    rest_log_q = torch.log1p(-log_q.exp().sum(dim=-1).clamp(max=1.0 - 1e-6))  # log(1 − Σ_top q)
+    rest_log_q = torch.log1p(-(log_q.exp() * inside).sum(dim=-1).clamp(max=1.0 - 1e-6))  # log(1 − Σ_top q)
     return -(p * log_q).sum(dim=-1) - rest_p * rest_log_q

@@ -28,7 +28,6 @@ one logsumexp per row and one gather per node.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -69,17 +68,20 @@ def node_weights(
 
 
 def exit_loss(
-    draft_logits: Tensor, trees: TreeBatch, probs: Tensor, weight: str = "exit", exclude_horizon_leaves: bool = False
+    draft_logits: Tensor, trees: TreeBatch, probs: Tensor, weight: str = "exit", exclude_horizon_leaves: bool = False,
+    columns: Tensor | None = None,
 ) -> ExitLoss:
-    """L_exit for draft logits [T, H, V] (row d−1: depth d; with grad), trees [T, M] and target probs [T, M, V].
+    """L_exit for draft logits [T, H, Vd] (row d−1: depth d; with grad), trees [T, M] and target probs [T, M, V].
 
-    Tree t must have been built from draft_logits[t] (depths <= H). Gradients flow into draft_logits only.
+    Tree t must have been built from draft_logits[t] (depths <= H). columns [T, M]: each node's column in the
+    draft logits (default: its token, for logits over the whole vocabulary). Gradients flow into draft_logits only.
     """
     t, h, v = draft_logits.shape
     omega, coverage = node_weights(trees, probs, h, weight, exclude_horizon_leaves)  # [T, M], [T]
     row = (trees.depths - 1).clamp(min=0)  # [T, M]: draft row of each node (the root's weight is 0)
     logits = draft_logits.float()
-    picked = logits.flatten(1).gather(1, row * v + trees.tokens)  # [T, M]: z_{row(v)}[x_v]
+    columns = trees.tokens if columns is None else columns
+    picked = logits.flatten(1).gather(1, row * v + columns)  # [T, M]: z_{row(v)}[x_v]
     row_weight = omega.new_zeros(t, h).scatter_add_(1, row, omega)  # [T, H]: W_r
     nodes = trees.valid[:, 1:].sum(dim=-1)  # [T]: |T_i| − 1
     loss = ((row_weight * logits.logsumexp(dim=-1)).sum() - (omega * picked).sum()) / nodes.sum().clamp(min=1)
@@ -111,23 +113,11 @@ def train_loss(
     if not cfg.active:
         block = model(ids, features, lengths, anchors, keep, soft)
         return TrainLoss(block.loss, block, None)
-    objective = model.module if isinstance(model, DistributedDataParallel) else model
-    with captured_output(objective.lm_head) as outputs:
-        block = model(ids, features, lengths, anchors, keep, soft)
-    (draft_logits,) = outputs  # [B·N·(bs−1), V]: the block's drafted slots, with grad
-    draft_logits = draft_logits.float().view(*anchors.shape, objective.drafter.block_size - 1, -1)  # [B, N, bs−1, V]
-    trees = build_anchor_trees(draft_logits, ids.gather(1, anchors), keep, cfg.budget)  # [B*N, M]
+    head = (model.module if isinstance(model, DistributedDataParallel) else model).head
+    block = model(ids, features, lengths, anchors, keep, soft)
+    full = head.expand(block.logits.detach())  # [B, N, bs−1, V] in token space, for the builder
+    trees = build_anchor_trees(full, ids.gather(1, anchors), keep, cfg.budget)  # [B*N, M]
     probs = evaluate_trees(target, ids, anchors, trees, SamplingParams(cfg.temperature))  # [B*N, M, V]
-    exits = exit_loss(draft_logits.flatten(0, 1), trees, probs, cfg.weight, cfg.exclude_horizon_leaves)
+    columns = head.columns(trees.tokens).clamp(min=0)  # [B*N, M]: tree tokens are all in the draft vocabulary
+    exits = exit_loss(block.logits.flatten(0, 1), trees, probs, cfg.weight, cfg.exclude_horizon_leaves, columns)
     return TrainLoss(block.loss + cfg.lam * exits.loss, block, exits)
-
-
-@contextmanager
-def captured_output(module: nn.Module):
-    """Collects `module`'s forward outputs (in call order) while the context is open."""
-    outputs: list[Tensor] = []
-    handle = module.register_forward_hook(lambda _module, _inputs, output: outputs.append(output))
-    try:
-        yield outputs
-    finally:
-        handle.remove()

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from exitspec.drafters.dflash_model import DFlashModel
+from exitspec.drafters.vocab import frequent_tokens
 from exitspec.models import load_model_and_tokenizer, model_name
 from exitspec.train import dist
 from exitspec.train.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
@@ -177,11 +178,13 @@ def train(
     bf16 = cfg.dtype == "bfloat16"
     target, _ = load_model_and_tokenizer(cfg.target, d.device, getattr(torch, cfg.dtype))
     drafter = make_drafter(cfg, target).to(d.device).train()
+    optimizer = make_optimizer(drafter, cfg)
+    data = RolloutData(load_rollouts(cfg.rollouts), cfg.max_len, cfg.seed, step_size=d.world * cfg.batch_size)
+    if cfg.draft_vocab:
+        apply_draft_vocab(drafter, cfg.draft_vocab, data, target)
     objective = DFlashObjective(
         drafter, target.get_input_embeddings(), target.get_output_embeddings(), cfg.gamma, cfg.loss
     )
-    optimizer = make_optimizer(drafter, cfg)
-    data = RolloutData(load_rollouts(cfg.rollouts), cfg.max_len, cfg.seed, step_size=d.world * cfg.batch_size)
     store = None
     if cfg.features:  # the target's features read from the cache: the steps skip the target forward
         store = FeatureStore(cfg.features, drafter.config.target_layer_ids, model_name(cfg.target))
@@ -201,8 +204,10 @@ def train(
         real = torch.arange(ids.shape[1], device=d.device) < lengths[:, None]  # [B, L]
         real[:, 0] = False  # the first token is an attention sink with a huge norm
         drafter.calibrate_fc(features[real])
-    if d.world > 1:  # the objective holds no buffers: DDP only averages the drafter's gradients
-        model = DistributedDataParallel(objective, device_ids=[d.device] if d.device.type == "cuda" else None)
+    if d.world > 1:  # DDP averages the drafter's gradients; its one buffer, the draft vocabulary, is the same everywhere
+        model = DistributedDataParallel(
+            objective, device_ids=[d.device] if d.device.type == "cuda" else None, broadcast_buffers=False
+        )
     else:
         model = objective
     log = _open_log(run_dir / "log.jsonl", step) if d.main else None
@@ -281,6 +286,20 @@ def make_drafter(cfg: TrainConfig, target) -> DFlashModel:
     vocab = target.get_output_embeddings().weight.shape[0]
     drafter.config.check_target(tc.hidden_size, vocab, tc.num_hidden_layers)
     return drafter
+
+
+def apply_draft_vocab(drafter: DFlashModel, size: int, data: RolloutData, target) -> None:
+    """Gives a drafter without a draft vocabulary the `size` tokens most frequent in the training responses
+    (end-of-sequence tokens always); a drafter that has one (from --init) must have this size."""
+    if drafter.draft_vocab is not None:
+        if drafter.draft_vocab.numel() != size:
+            raise ValueError(f"the --init drafter has a draft vocabulary of {drafter.draft_vocab.numel()} tokens, "
+                             f"not --draft-vocab {size}")
+        return
+    eos = target.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    responses = (ids[start:] for ids, start in data.seqs)
+    drafter.use_draft_vocab(frequent_tokens(responses, size, drafter.config.vocab_size, eos))
 
 
 def make_optimizer(drafter: DFlashModel, cfg: TrainConfig) -> torch.optim.AdamW:
