@@ -250,7 +250,7 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--max-prompt-tokens", type=integer(1), default=512, help="skip longer prompts")
     g.add_argument("--max-new-tokens", type=integer(1), default=256)
     g.add_argument("--temperature", type=real(), default=0.0, help="0: greedy")
-    g.add_argument("--gen-batch-size", type=integer(1, 4096), default=16, help="prompts per generate call")
+    g.add_argument("--gen-batch-size", type=integer(1, 4096), default=64, help="prompts in flight at once (rows of the batch)")
     g.add_argument("--shard-size", type=integer(1), default=64, help="prompts per JSONL shard")
 
     f = p.add_argument_group("feature cache (the target's hidden states of every rollout, computed once)")

@@ -94,6 +94,25 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+def decoder_layer(
+    layer: LeanLayer, x: Tensor, cos: Tensor, sin: Tensor, head_shape: tuple[int, int, int], attend
+) -> Tensor:
+    """One pre-norm decoder layer over rows x [..., n, D] (any leading dims); cos, sin broadcast against
+    [..., H, n, hd]. `attend(q [..., H, n, hd], k, v [..., Hkv, n, hd])` stores k, v in its cache and returns
+    the attention output [..., H, n, hd]: the caller owns the cache layout and the mask."""
+    heads, kv_heads, hd = head_shape
+    *lead, n, _ = x.shape
+    qkv = F.linear(_rms(layer.input_norm, x), layer.qkv_weight, layer.qkv_bias)  # [..., n, (H+2Hkv)·hd]
+    q, k, v = qkv.view(*lead, n, heads + 2 * kv_heads, hd).split((heads, kv_heads, kv_heads), dim=-2)
+    if layer.q_norm is not None:
+        q, k = _rms(layer.q_norm, q), _rms(layer.k_norm, k)
+    q, k, v = _rope(q.transpose(-3, -2), cos, sin), _rope(k.transpose(-3, -2), cos, sin), v.transpose(-3, -2)
+    out = attend(q, k, v)  # [..., H, n, hd]
+    x = x + layer.o_proj(out.transpose(-3, -2).reshape(*lead, n, heads * hd))
+    gate, up = F.linear(_rms(layer.post_norm, x), layer.gate_up_weight).chunk(2, dim=-1)  # [..., n, I] each
+    return x + layer.down_proj(F.silu(gate) * up)
+
+
 class LeanLlama:
     """Forward of a Llama-family causal LM for one sequence, with a KV cache of [layers, Hkv, capacity, hd]."""
 
@@ -108,6 +127,7 @@ class LeanLlama:
         self.layers = [LeanLayer(layer) for layer in base.layers]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.head_shape = (self.heads, self.kv_heads, self.head_dim)
         self.feature_layers = tuple(feature_layers)
         self.last_layer = len(self.layers) - 1
         weight = self.lm_head.weight
@@ -154,22 +174,15 @@ class LeanLlama:
             mask[:, start:].masked_fill_(~visible, float("-inf"))
             mask = mask.repeat(groups, 1)  # [g·n, L+n], rows in the order of the stacked query heads
         taps: dict[int, Tensor] = {}
-        hd, H, Hkv = self.head_dim, self.heads, self.kv_heads
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(_rms(layer.input_norm, x), layer.qkv_weight, layer.qkv_bias)  # [n, (H+2Hkv)·hd]
-            q, k, v = qkv.view(n, H + 2 * Hkv, hd).split((H, Hkv, Hkv), dim=1)
-            if layer.q_norm is not None:
-                q, k = _rms(layer.q_norm, q), _rms(layer.k_norm, k)
-            q = _rope(q.transpose(0, 1), cos, sin)  # [H, n, hd]
-            self.keys[i, :, start:end] = _rope(k.transpose(0, 1), cos, sin)
-            self.values[i, :, start:end] = v.transpose(0, 1)
-            q = q.reshape(Hkv, groups * n, hd)  # query heads h = j·g .. j·g+g-1 share KV head j
-            out = F.scaled_dot_product_attention(
-                q, self.keys[i, :, :end], self.values[i, :, :end], attn_mask=mask
-            )  # [Hkv, g·n, hd]
-            x = x + layer.o_proj(out.view(H, n, hd).transpose(0, 1).reshape(n, H * hd))
-            gate, up = F.linear(_rms(layer.post_norm, x), layer.gate_up_weight).chunk(2, dim=-1)  # [n, I] each
-            x = x + layer.down_proj(F.silu(gate) * up)
+
+            def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:  # [H, n, hd], [Hkv, n, hd] x 2
+                self.keys[i, :, start:end], self.values[i, :, start:end] = k, v
+                q = q.reshape(self.kv_heads, groups * n, self.head_dim)  # heads j·g .. j·g+g-1 share KV head j
+                out = F.scaled_dot_product_attention(q, self.keys[i, :, :end], self.values[i, :, :end], attn_mask=mask)
+                return out.view(q.shape[0] * groups, n, self.head_dim)  # [H, n, hd]
+
+            x = decoder_layer(layer, x, cos, sin, self.head_shape, attend)
             if i in self.feature_layers:
                 taps[i] = x
         x = _rms(self.final_norm, x)

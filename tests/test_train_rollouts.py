@@ -1,4 +1,5 @@
-"""Rollouts: batched left-padded generation, JSONL shard cache, resume, prompt loaders, the --rollouts-only CLI."""
+"""Rollouts: continuous batching (and the transformers fallback), JSONL shard cache, resume, prompt loaders,
+loop cutting, the --rollouts-only CLI."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from transformers import PreTrainedTokenizerFast
 
 from exitspec.cli import main
 from exitspec.data import gsm8k_train, interleave, json_array_records
+from exitspec.train.generate import LoopStop, LoopWatch
 from exitspec.train.rollouts import (
     GenerationSettings,
-    LoopStop,
     done_ids,
     load_rollouts,
     loop_start,
@@ -40,7 +41,7 @@ def id_prompts(n: int) -> list[tuple[str, list[int]]]:
     ]
 
 
-def greedy_alone(model, prompt: list[int], max_new: int) -> list[int]:
+def greedy_alone(model, prompt: list[int], max_new: int, eos: int = EOS) -> list[int]:
     """Reference: unbatched, unpadded greedy decoding with full forwards."""
     ids, out = list(prompt), []
     with torch.no_grad():
@@ -48,24 +49,33 @@ def greedy_alone(model, prompt: list[int], max_new: int) -> list[int]:
             token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
             ids.append(token)
             out.append(token)
-            if token == EOS:
+            if token == eos:
                 break
     return out
 
 
-def test_batched_rollouts_equal_greedy_decoding_alone(model, tmp_path):
-    prompts = id_prompts(5)
+@pytest.mark.parametrize("lean", [True, False])
+def test_batched_rollouts_equal_greedy_decoding_alone(model, tmp_path, lean):
+    """Continuous batching (lean) and the transformers fallback (an MLP bias the lean forward lacks) both give
+    each prompt's own greedy answer, whatever else shares its batch; rows end at different steps (EOS)."""
+    model = model if lean else tiny_llama(mlp_bias=True)
+    prompts = id_prompts(7)
+    settings = GenerationSettings(model="tiny", max_new_tokens=24)
+    eos = greedy_alone(model, prompts[0][1], 24, eos=-1)[5]  # ends some responses early: rows refill at different steps
     assert (
-        make_rollouts(model, prompts, tmp_path, SETTINGS, [EOS], EOS, batch_size=3, shard_size=2, progress=False) == 5
+        make_rollouts(model, prompts, tmp_path, settings, [eos], EOS, batch_size=3, shard_size=2, progress=False) == 7
     )
-    assert len(list(tmp_path.glob("shard-*.jsonl"))) == 3
-    assert json.loads((tmp_path / "meta.json").read_text())["max_new_tokens"] == 6
+    assert len(list(tmp_path.glob("shard-*.jsonl"))) == 4
+    assert json.loads((tmp_path / "meta.json").read_text())["max_new_tokens"] == 24
     rollouts = load_rollouts(tmp_path)
     assert [r.id for r in rollouts] == sorted(p for p, _ in prompts)
+    lengths = set()
     for r in rollouts:
         prompt = dict(prompts)[r.id]
         assert r.prompt_ids == prompt
-        assert r.response_ids == greedy_alone(model, prompt, 6)
+        assert r.response_ids == greedy_alone(model, prompt, 24, eos)
+        lengths.add(len(r.response_ids))
+    assert len(lengths) > 1
 
 
 def test_resume_skips_done_prompts_and_torn_shards(model, tmp_path):
@@ -83,13 +93,18 @@ def test_resume_skips_done_prompts_and_torn_shards(model, tmp_path):
         make_rollouts(model, prompts, tmp_path, GenerationSettings("tiny", max_new_tokens=9), [EOS], EOS)
 
 
-def test_sampled_rollouts_are_seeded(model, tmp_path):
+def test_sampled_rollouts_are_seeded_per_prompt(model, tmp_path):
+    """A prompt's draws come from its own generator: the same responses whatever the batching or the order."""
     settings = GenerationSettings("tiny", max_new_tokens=8, temperature=1.0, seed=3)
-    for name in ("a", "b"):
-        make_rollouts(model, id_prompts(4), tmp_path / name, settings, [EOS], EOS, batch_size=2, progress=False)
-    a, b = load_rollouts(tmp_path / "a"), load_rollouts(tmp_path / "b")
-    assert a == b
+    prompts = id_prompts(5)
+    for name, rows, order in (("a", 2, prompts), ("b", 2, prompts), ("c", 4, prompts[::-1])):
+        make_rollouts(model, order, tmp_path / name, settings, [EOS], EOS, batch_size=rows, progress=False)
+    a, b, c = (load_rollouts(tmp_path / name) for name in "abc")
+    assert a == b == c
     assert any(r.response_ids != greedy_alone(model, r.prompt_ids, 8) for r in a)
+    other = GenerationSettings("tiny", max_new_tokens=8, temperature=1.0, seed=4)
+    make_rollouts(model, prompts, tmp_path / "d", other, [EOS], EOS, batch_size=2, progress=False)
+    assert load_rollouts(tmp_path / "d") != a
 
 
 def test_json_array_records_stop_at_a_torn_record():
@@ -174,10 +189,17 @@ def test_loops_are_found_where_generation_stops_them():
     assert loop_start(list(range(10, 30)) * 2 + [99], 3) is None  # a text quoted twice is kept
     assert loop_start(list(range(100)), 3) is None and loop_start([7] * 20, 0) is None
     g = torch.Generator().manual_seed(0)
-    for _ in range(200):  # LoopStop stops a row exactly at the first token where loop_start finds a loop
-        row = torch.randint(0, 3, (40,), generator=g).tolist()
+    rows = torch.randint(0, 3, (200, 40), generator=g)
+    watch, live = LoopWatch(200, 40, 3, "cpu"), torch.ones(200, dtype=torch.bool)
+    watched = torch.zeros(200, dtype=torch.long)  # LoopWatch: the first length at which a row loops (0: never)
+    for j in range(40):
+        looped = watch.add(rows[:, j], torch.full((200,), j), live)
+        watched[looped & (watched == 0)] = j + 1
+    for row, seen in zip(rows.tolist(), watched.tolist()):
+        # LoopStop and LoopWatch stop a row exactly at the first token where loop_start finds a loop
         first = next((j for j in range(1, 41) if bool(LoopStop(3)(torch.tensor([row[:j]]), None)[0])), None)
         cut = loop_start(row, 3)
+        assert (seen or None) == first
         if first is None:
             assert cut is None
         else:
@@ -191,6 +213,7 @@ def test_looping_rollouts_stop_early_and_keep_one_copy_less(model, tmp_path):
     stopped = GenerationSettings("tiny", max_new_tokens=48, loop_repeats=2)
     make_rollouts(model, prompts, tmp_path / "stopped", stopped, [EOS], EOS, batch_size=3, progress=False)
     reference = {r.id: r.response_ids for r in load_rollouts(tmp_path / "plain")}
+    assert all(v == greedy_alone(model, dict(prompts)[k], 48) for k, v in reference.items())
     for r in load_rollouts(tmp_path / "stopped"):
         assert r.response_ids == reference[r.id][: loop_start(reference[r.id], 2)]
     summary = summarize_rollouts(tmp_path / "stopped")

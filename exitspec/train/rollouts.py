@@ -26,10 +26,10 @@ from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
-import torch
-from torch import Tensor
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+from transformers import PreTrainedModel
+
+from exitspec.train.generate import LOOP_SPANS, generate_responses
 
 META_NAME = "meta.json"
 SHARD_GLOB = "shard-*.jsonl"
@@ -40,7 +40,7 @@ class GenerationSettings:
     model: str  # the target's name or folder, to keep rollouts of different targets apart
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0: greedy
-    seed: int = 0  # sampling seed of shard i is seed + i
+    seed: int = 0  # with the prompt id, seeds that prompt's sampling (generate.py)
     loop_repeats: int = 0  # > 0: stop a response at the R-th back-to-back copy of a span (see loop_start)
 
 
@@ -100,85 +100,47 @@ def make_rollouts(
     settings: GenerationSettings,
     eos_ids: Sequence[int],
     pad_id: int,
-    batch_size: int = 16,
+    batch_size: int = 64,
     shard_size: int = 64,
     progress: bool = True,
 ) -> int:
     """Generates and stores the rollouts of the (id, prompt ids) pairs not yet in `folder`; returns how many.
 
-    Prompts are taken in order, `shard_size` per shard; inside a shard they are batched by length.
+    Prompts are taken in order, `batch_size` at a time in flight (generate.py); shard k holds prompts
+    k·shard_size .. (k+1)·shard_size − 1 of the ones to do and is written as soon as all of them are done.
     """
     folder = Path(folder)
     _check_meta(folder, settings)
     done = done_ids(folder)
     todo = list({pid: ids for pid, ids in prompts if pid not in done}.items())  # also drops repeated ids
-    shard_no = 1 + max((int(p.stem.split("-")[1]) for p in folder.glob(SHARD_GLOB)), default=-1)
+    first_shard = 1 + max((int(p.stem.split("-")[1]) for p in folder.glob(SHARD_GLOB)), default=-1)
+    pending: dict[int, dict[int, dict]] = {}  # shard -> {prompt index: record}
     bar = tqdm(total=len(todo), desc="rollouts", unit="prompt", disable=not progress)
     tokens, start = 0, time.perf_counter()
-    for i in range(0, len(todo), shard_size):
-        shard = sorted(todo[i : i + shard_size], key=lambda p: len(p[1]))
-        records = []
-        with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
-            torch.manual_seed(settings.seed + shard_no)
-            for j in range(0, len(shard), batch_size):
-                batch = shard[j : j + batch_size]
-                responses = generate(model, [ids for _, ids in batch], settings, eos_ids, pad_id)
-                for (pid, ids), response in zip(batch, responses, strict=True):
-                    cut = loop_start(response, settings.loop_repeats)
-                    loop = {} if cut is None else {"looped": True}
-                    records.append({"id": pid, "prompt_ids": ids, "response_ids": response[:cut], **loop})
-                tokens += sum(map(len, responses))
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
-        _write_atomic(folder / f"shard-{shard_no:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-        shard_no += 1
+    responses = generate_responses(model, todo, settings.max_new_tokens, settings.temperature, settings.seed,
+                                   settings.loop_repeats, eos_ids, pad_id, batch_size)
+    for index, response in responses:
+        pid, ids = todo[index]
+        cut = loop_start(response, settings.loop_repeats)
+        loop = {} if cut is None else {"looped": True}
+        shard = pending.setdefault(index // shard_size, {})
+        shard[index] = {"id": pid, "prompt_ids": ids, "response_ids": response[:cut], **loop}
+        if len(shard) == min(shard_size, len(todo) - index // shard_size * shard_size):
+            records = [shard[i] for i in sorted(shard)]
+            _write_atomic(folder / f"shard-{first_shard + index // shard_size:05d}.jsonl",
+                          "".join(json.dumps(r) + "\n" for r in records))
+            del pending[index // shard_size]
+        tokens += len(response)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
     bar.close()
     return len(todo)
 
 
-@torch.inference_mode()
-def generate(
-    model: PreTrainedModel,
-    prompts: list[list[int]],
-    settings: GenerationSettings,
-    eos_ids: Sequence[int],
-    pad_id: int,
-) -> list[list[int]]:
-    """One left-padded batched `generate`; each response is cut after its first end-of-sequence token."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, W]
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, W]
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
-    sample = settings.temperature > 0
-    config = GenerationConfig(
-        max_new_tokens=settings.max_new_tokens,
-        do_sample=sample,
-        temperature=settings.temperature if sample else None,
-        top_k=0 if sample else None,
-        top_p=1.0 if sample else None,
-        eos_token_id=list(eos_ids),
-        pad_token_id=pad_id,
-    )
-    stop = StoppingCriteriaList([LoopStop(settings.loop_repeats)] if settings.loop_repeats else [])
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config,
-                         stopping_criteria=stop)
-    responses = []
-    eos = set(eos_ids)
-    for row in out[:, width:].tolist():  # [B, T]
-        end = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
-        responses.append(row[:end])
-    return responses
-
-
-LOOP_SPANS = range(4, 65)  # span lengths a repetition loop is looked for at
-
-
 def loop_start(tokens: list[int], repeats: int, spans: range = LOOP_SPANS) -> int | None:
     """Where to cut a response that loops, or None: at the first token where some span has come `repeats`
-    times back to back (the place LoopStop stops generation), the start of that span's last copy. Cutting
-    there keeps repeats − 1 copies: a text quoted twice survives, a loop does not."""
+    times back to back (the place generation stops), the start of that span's last copy. Cutting there keeps
+    repeats − 1 copies: a text quoted twice survives, a loop does not."""
     if repeats < 2:
         return None
     runs = dict.fromkeys(spans, 0)  # per span: how many tokens in a row equal the token `span` before them
@@ -192,23 +154,6 @@ def loop_start(tokens: list[int], repeats: int, spans: range = LOOP_SPANS) -> in
         if starts:
             return min(starts)
     return None
-
-
-class LoopStop(StoppingCriteria):
-    """Ends a row of a batched `generate` once its last repeats × span tokens are one span repeated, for any
-    span in LOOP_SPANS (the check of loop_start on each row's tail, as tensor ops)."""
-
-    def __init__(self, repeats: int):
-        self.repeats = repeats
-
-    def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:  # input_ids [B, T] -> [B] bool
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for span in LOOP_SPANS:
-            if self.repeats * span > input_ids.shape[1]:
-                break
-            tail = input_ids[:, -self.repeats * span :]  # [B, R*span]
-            done |= (tail[:, span:] == tail[:, :-span]).all(dim=1)
-        return done
 
 
 def _check_meta(folder: Path, settings: GenerationSettings) -> None:
