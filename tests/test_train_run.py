@@ -278,6 +278,29 @@ def test_kl_distillation_trains_on_a_topk_cache(setup, capsys):
         assert window["loss"] > 0 and math.isfinite(window["loss"]), loss
     fc = {loss: r.drafter.state_dict()["fc.weight"] for loss, r in runs.items()}
     assert not torch.allclose(fc["ce"], fc["kl"]) and not torch.allclose(fc["kl"], fc["ce+kl"])
+    from exitspec.models import load_model_and_tokenizer
+    from exitspec.train.dflash_loss import target_features
+    from exitspec.train.features import FeatureStore
+    from exitspec.train.rollouts import load_rollouts
+
+    target = load_model_and_tokenizer(setup / "target")[0]
+    layers = runs["kl"].drafter.config.target_layer_ids
+    store = FeatureStore(cache, layers, str((setup / "target").resolve()))
+    r = load_rollouts(setup / "rollouts")[3]
+    ids = torch.tensor([r.prompt_ids + r.response_ids])
+    lengths = torch.tensor([ids.shape[1]])
+    with torch.no_grad():
+        probs, top_ids = target(ids).logits.softmax(-1).topk(32, dim=-1)  # [1, L, 32]
+    cached_p, cached_i = store.soft_targets([r.id], lengths, "cpu")
+    assert torch.equal(cached_i, top_ids)
+    torch.testing.assert_close(cached_p, probs, atol=1e-3, rtol=1e-3)  # stored in fp16
+    features = store.batch([r.id], lengths, "cpu", torch.float32)
+    torch.testing.assert_close(features, target_features(target, ids, lengths, layers), atol=1e-2, rtol=1e-3)
+    small = train(config(setup, "kl-vocab", features=str(cache), loss="kl", draft_vocab=12), progress=False,
+                  device="cpu")  # a draft vocabulary of the 12 most frequent response tokens
+    assert small.drafter.draft_vocab.numel() == 12 and math.isfinite(small.summary["last_window"]["loss"])
+    counts = torch.bincount(torch.tensor([t for r in load_rollouts(setup / "rollouts") for t in r.response_ids]))
+    assert int(counts.argmax()) in small.drafter.draft_vocab.tolist()
     with pytest.raises(ValueError, match="needs --features DIR"):
         config(setup, "nope", loss="kl")
     plain = [*argv[:-1], str(setup / "features-plain")]

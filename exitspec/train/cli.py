@@ -128,7 +128,7 @@ def run_features(args, dtype: str) -> int:
     layer_ids = make_drafter(train_config(args, dtype), model).config.target_layer_ids  # the run's context layers
     rollouts = load_rollouts(args.rollouts)
     n = cache_features(model, rollouts, args.features, layer_ids, model_name(args.model),
-                       getattr(torch, args.features_dtype), args.topk, args.gen_batch_size, progress=not args.no_progress)
+                       getattr(torch, args.features_dtype), args.topk, progress=not args.no_progress)
     print(f"{n} rollouts' features added to {args.features} (layers {list(layer_ids)}, {args.features_dtype})")
     return 0
 

@@ -74,11 +74,10 @@ def target_features(model: PreTrainedModel, ids: Tensor, lengths: Tensor, layer_
     The forward stops after the deepest layer in `layer_ids` (hooks on the decoder layers), so a drafter that
     reads the middle layer pays for half the target. A tap of the last layer runs the whole model instead,
     since HF's hidden_states[L] is the final-normed state, not the last layer's raw output."""
-    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
     decoder, deepest = model.get_decoder(), max(layer_ids)
     if deepest >= len(decoder.layers) - 1:
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False, logits_to_keep=1)
-        return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        return features_and_logits(model, ids, lengths, layer_ids, logits_to_keep=1)[0]
+    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
     taps: dict[int, Tensor] = {}
 
     def tap(i: int):
@@ -98,6 +97,18 @@ def target_features(model: PreTrainedModel, ids: Tensor, lengths: Tensor, layer_
         for h in handles:
             h.remove()
     return torch.cat([taps[i] for i in layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def features_and_logits(
+    model: PreTrainedModel, ids: Tensor, lengths: Tensor, layer_ids, logits_to_keep: int = 0
+) -> tuple[Tensor, Tensor]:
+    """One whole target forward: the features [B, L, F] of `target_features` and the logits [B, r, V] of the last
+    r = logits_to_keep positions (0: all L)."""
+    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
+                logits_to_keep=logits_to_keep)
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), out.logits
 
 
 class BlockLoss(NamedTuple):

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from exitspec.models import check_safetensors
-from exitspec.train.dflash_loss import target_features
+from exitspec.train.dflash_loss import features_and_logits, target_features
 from exitspec.train.rollouts import META_NAME, Rollout, check_folder_meta
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -68,9 +68,11 @@ def cache_features(
             ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long, device=device)  # [B, L] right-padded
             for row, seq in enumerate(seqs):
                 ids[row, : len(seq)] = torch.tensor(seq, device=device)
-            with torch.no_grad():
-                features = target_features(target, ids, lengths, layer_ids)  # [B, L, F]
-                top = _top_probs(target, ids, lengths, topk) if topk else None  # ([B, L, k], [B, L, k])
+            if topk:  # one whole forward gives both
+                features, logits = features_and_logits(target, ids, lengths, layer_ids)  # [B, L, F], [B, L, V]
+                top = top_probs(logits, topk)  # ([B, L, k], [B, L, k])
+            else:
+                features, top = target_features(target, ids, lengths, layer_ids), None  # [B, L, F]
             for row, r in enumerate(batch):
                 n = len(seqs[row])
                 tensors[r.id] = features[row, :n].to("cpu", dtype).contiguous()
@@ -87,12 +89,10 @@ def cache_features(
     return len(todo)
 
 
-def _top_probs(target: PreTrainedModel, ids: Tensor, lengths: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The target's k most likely next tokens at every position of ids [B, L], and their probabilities."""
-    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
-    logits = target(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, L, V]
-    probs, top_ids = logits.float().softmax(dim=-1).topk(k, dim=-1)  # [B, L, k] each
-    return probs, top_ids
+def top_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """logits [B, L, V] -> the k most likely tokens' probabilities and ids, [B, L, k] each (no softmax copy)."""
+    top_logits, top_ids = logits.topk(k, dim=-1)  # [B, L, k]
+    return (top_logits.float() - logits.float().logsumexp(dim=-1, keepdim=True)).exp(), top_ids
 
 
 def shard_keys(folder: str | Path) -> dict[str, Path]:
