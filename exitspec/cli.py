@@ -245,6 +245,8 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     g.add_argument("--sharegpt", type=integer(-1), default=2000, help="ShareGPT first-turn prompts (-1: all)")
     g.add_argument("--code", type=integer(-1), default=0,
                    help="code-writing prompts from the Python standard library's docstrings (-1: all, about 2600)")
+    g.add_argument("--skip-prompts", type=integer(0), default=0,
+                   help="start at this prompt of the interleaved list (say, T = 1 rollouts of other prompts than greedy's)")
     g.add_argument("--loop-repeats", type=integer(0), default=3,
                    help="stop a response at the R-th back-to-back copy of a 4-64 token span, keeping R-1 (0: off)")
     g.add_argument("--max-prompt-tokens", type=integer(1), default=512, help="skip longer prompts")

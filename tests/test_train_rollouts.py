@@ -181,6 +181,9 @@ def test_cli_rollouts_only(tmp_path):
     assert all(1 <= len(r.response_ids) <= 5 for r in rollouts)
     assert main(["train", "dflash", *argv[:-2]] + ["--gsm8k", "-1"]) == 0  # extends: only gsm8k-train/3 is new
     assert len(load_rollouts(tmp_path / "rollouts")) == 3
+    other = [*argv[:4], str(tmp_path / "other"), *argv[5:], "--skip-prompts", "1"]  # past the first fitting prompt
+    assert main(["train", "dflash", *other]) == 0
+    assert [r.id for r in load_rollouts(tmp_path / "other")] == ["gsm8k-train/2"]
 
 
 def test_loops_are_found_where_generation_stops_them():

@@ -160,7 +160,7 @@ def run_rollouts(args, dtype: str) -> int:
         seed=args.seed,
         loop_repeats=args.loop_repeats,
     )
-    prompts = interleave(*sources)
+    prompts = interleave(*sources)[args.skip_prompts :]
     n = make_rollouts(model, prompts, args.rollouts, settings, *stop_and_pad(model, tokenizer), args.gen_batch_size,
                       args.shard_size, progress=not args.no_progress)
     total = summarize_rollouts(args.rollouts)
