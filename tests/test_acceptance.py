@@ -3,6 +3,8 @@ decode loop would build and verify at each anchor."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tiny_models import tiny_llama
@@ -54,8 +56,14 @@ def inference_taus(model, drafter_model, rollout: Rollout, temperature: float) -
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_expected_tau_is_that_of_the_inference_trees(models, temperature):
+@pytest.mark.parametrize("draft_vocab", [None, list(range(1, VOCAB, 2))])
+def test_expected_tau_is_that_of_the_inference_trees(models, temperature, draft_vocab):
+    """Also for a drafter over a draft vocabulary (half the tokens): training-side logits, expanded, build the
+    trees that inference builds."""
     model, drafter = models
+    if draft_vocab is not None:
+        drafter = copy.deepcopy(drafter)
+        drafter.use_draft_vocab(torch.tensor(draft_vocab))
     rollouts = sequences([20, 16])
     objective = DFlashObjective(drafter, model.get_input_embeddings(), model.get_output_embeddings())
     data = RolloutData(rollouts, max_len=100, seed=0)
