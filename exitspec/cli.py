@@ -292,6 +292,13 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     t.add_argument("--save-every", type=integer(1), default=d.save_every, help="checkpoint interval in steps")
     t.add_argument("--log-every", type=integer(1), default=d.log_every, help="log interval in steps")
     t.add_argument("--keep", type=integer(1), default=d.keep, help="checkpoints kept")
+    t.add_argument("--eval-every", type=integer(0), default=d.eval_every,
+                   help="log τ at T = 0 (B = 32) and top-1 accuracy per depth on held-out greedy responses every N "
+                        "steps, no target forward (0: off)")
+    t.add_argument("--eval-dir", default=d.eval_dir, help="the target's held-out responses, made once per dataset")
+    t.add_argument("--eval-datasets", nargs="+", default=list(d.eval_datasets), metavar="NAME",
+                   help="held-out benchmark sets (never trained on)")
+    t.add_argument("--eval-prompts", type=integer(1), default=d.eval_prompts, help="prompts per held-out dataset")
     if command != "exit":
         p.set_defaults(**{mine: getattr(d, mine) for mine, _ in EXIT_FIELDS})  # the exit loss off
         return

@@ -65,6 +65,7 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `exitspec generate: error: argument --top-p: ... (see --help)`, exit 2."""
 
     def error(self, message: str):
+        message = message.replace("\r", "\\r").replace("\n", "\\n")  # one line, even for a value holding a newline
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

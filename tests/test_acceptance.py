@@ -17,6 +17,7 @@ from exitspec.sampling import SamplingParams, target_probs
 from exitspec.target import TargetModel
 from exitspec.train.acceptance import measure_acceptance
 from exitspec.train.dflash_loss import DFlashObjective
+from exitspec.train.heldout import GreedyCheck
 from exitspec.train.rollouts import Rollout
 from exitspec.train.trainer import RolloutData
 
@@ -97,3 +98,39 @@ def test_batches_and_several_settings_give_the_same_numbers(models):
 def test_eval_command_refuses_a_drafter_without_logits(capsys):
     assert main(["train", "eval", "--drafters", "ngram"]) == 2
     assert "'ngram' and chains have no draft logits" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("draft_vocab", [None, list(range(1, VOCAB, 2))])
+def test_greedy_check_equals_the_inference_trees_on_greedy_responses(models, draft_vocab):
+    """On the target's own greedy responses, GreedyCheck's τ (the tree path the response follows, no target
+    forward) is the T = 0 1 + C_p of the trees decoding builds, at every anchor."""
+    model, drafter = models
+    if draft_vocab is not None:
+        drafter = copy.deepcopy(drafter)
+        drafter.use_draft_vocab(torch.tensor(draft_vocab))
+    gen = torch.Generator().manual_seed(4)
+    rollouts = []
+    for i in range(3):
+        prompt = torch.randint(2, VOCAB, (6,), generator=gen).tolist()
+        response = []
+        with torch.no_grad():
+            for _ in range(12):
+                response.append(int(model(torch.tensor([prompt + response])).logits[0, -1].argmax()))
+        rollouts.append(Rollout(str(i), prompt, response))
+    check = GreedyCheck(model, {"set": rollouts}, drafter.config.target_layer_ids, anchors=100)
+    objective = DFlashObjective(drafter, model.get_input_embeddings(), model.get_output_embeddings())
+    result = check(objective, budget=BUDGET)["set"]
+    expected = [t for r in rollouts for t in inference_taus(model, drafter, r, 0.0)]
+    assert result["anchors"] == len(expected) == 3 * 11
+    assert result["tau"] == pytest.approx(sum(expected) / len(expected), abs=1e-4)
+    assert result["tau"] > 1.0
+    top1 = []  # depth 1: does the drafter's argmax equal the response's next token?
+    inference = DFlashDrafter(drafter, model.get_input_embeddings(), model.get_output_embeddings(), copy_source=False)
+    target = TargetModel(model, None, inference.feature_layers)
+    for r in rollouts:
+        ids = torch.tensor(r.prompt_ids + r.response_ids)
+        for a in range(len(r.prompt_ids), len(ids) - 1):
+            target.reset()
+            inference.begin(ids[: a + 1], target.prefill(ids[:a]))
+            top1.append(int(inference.marginals(ids[: a + 1], 1)[0].argmax()) == int(ids[a + 1]))
+    assert result["acc_k"][0] == pytest.approx(sum(top1) / len(top1), abs=1e-4)

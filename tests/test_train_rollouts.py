@@ -8,9 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import save_tiny_llama, tiny_llama
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tiny_models import save_tiny_llama, save_word_tokenizer, tiny_llama
 
 from exitspec.cli import main
 from exitspec.data import gsm8k_train, interleave, json_array_records
@@ -131,19 +129,6 @@ def test_sharegpt_first_human_turns():
 
     prompts = list(islice(sharegpt(), 3))
     assert len(prompts) == 3 and all(p.id.startswith("sharegpt/") and p.text.strip() for p in prompts)
-
-
-def save_word_tokenizer(folder) -> None:
-    """A whitespace word-level tokenizer over the tiny model's 32 ids, with a chat template."""
-    words = ["<unk>", "</s>", "<user>", "<assistant>"] + [f"w{i}" for i in range(28)]
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
-    tok.chat_template = (
-        "{% for m in messages %}<user> {{ m['content'] }} </s> {% endfor %}"
-        "{% if add_generation_prompt %}<assistant> {% endif %}"
-    )
-    tok.save_pretrained(folder)
 
 
 def test_cli_rollouts_only(tmp_path):

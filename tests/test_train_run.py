@@ -307,3 +307,24 @@ def test_kl_distillation_trains_on_a_topk_cache(setup, capsys):
     assert main(["train", "dflash", *plain, "--features-only"]) == 0  # no --topk: features alone
     assert main(["train", "dflash", *plain, "--run-dir", str(setup / "r"), "--steps", "1", "--loss", "kl"]) == 2
     assert "holds no top-k probabilities" in capsys.readouterr().err
+
+
+def test_held_out_check_is_logged_every_n_steps(setup, tmp_path):
+    """--eval-every N: the target answers the held-out prompts once (cached), and the log gets τ at T = 0 and
+    top-1 accuracy per depth on them every N steps and at the end."""
+    from tiny_models import save_word_tokenizer
+
+    from exitspec.train.rollouts import load_rollouts
+
+    save_tiny_llama(tmp_path / "target")
+    save_word_tokenizer(tmp_path / "target")
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("w1 w2 w3", "w4 w5", "w6 w7 w8 w9")))
+    cfg = config(setup, "eval", target=str(tmp_path / "target"), steps=5, eval_every=3,
+                 eval_dir=str(tmp_path / "heldout"), eval_datasets=(str(held),), eval_prompts=2)
+    train(cfg, progress=False)
+    rows = [r for r in map(json.loads, (setup / "eval" / "log.jsonl").read_text().splitlines()) if "heldout" in r]
+    assert [r["step"] for r in rows] == [3, 5]
+    result = rows[-1]["heldout"]["held"]
+    assert result["anchors"] > 0 and 1.0 <= result["tau"] <= 4.0 and len(result["acc_k"]) == 3
+    assert [r.id for r in load_rollouts(tmp_path / "heldout" / "held")] == ["held/0", "held/1"]

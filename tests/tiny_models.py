@@ -1,11 +1,12 @@
-"""Tiny random-weight models for fast, exact tests (no downloads, no tokenizer)."""
+"""Tiny random-weight models for fast, exact tests (no downloads), and a word-level tokenizer for them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 
 def tiny_llama(vocab_size: int = 32, seed: int = 0, **overrides) -> LlamaForCausalLM:
@@ -43,3 +44,16 @@ def save_tiny_llama(path: str | Path, vocab_size: int = 32, seed: int = 0, **ove
     model = tiny_llama(vocab_size, seed, **overrides)
     model.save_pretrained(path)
     return model
+
+
+def save_word_tokenizer(folder) -> None:
+    """A whitespace word-level tokenizer over the tiny model's 32 ids, with a chat template."""
+    words = ["<unk>", "</s>", "<user>", "<assistant>"] + [f"w{i}" for i in range(28)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
+    tok.chat_template = (
+        "{% for m in messages %}<user> {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
+    tok.save_pretrained(folder)

@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from exitspec.decode import encode_prompt
 from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.train.dflash_loss import DFlashObjective, sample_anchors, target_features
@@ -111,11 +110,3 @@ class _Sums:
         reach = [round(float(x) / self.n, 5) for x in self.reach]
         exits = [round(float(x) / self.n, 5) for x in self.exit]
         return Acceptance(budget, temperature, self.n, mean, stderr, reach, exits)
-
-
-def heldout_prompts(samples, tokenizer, dataset: str, limit: int | None) -> list[tuple[str, list[int]]]:
-    """(id, chat-template ids) of the first turn of the first `limit` benchmark samples (None: all).
-
-    Later MT-Bench turns would need the model's own first answer in the prompt; the first turn suffices to put
-    the held-out responses in the evaluation's domain."""
-    return [(f"{dataset}/{s.id}", encode_prompt(tokenizer, s.prompt(0))) for s in samples[:limit]]

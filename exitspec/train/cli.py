@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, fields
 from itertools import islice
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -25,16 +24,23 @@ from exitspec.app import (
     resolve_device,
     resolve_dtype,
 )
-from exitspec.data import gsm8k_train, interleave, load_dataset, python_functions, sharegpt
+from exitspec.data import gsm8k_train, interleave, python_functions, sharegpt
 from exitspec.decode import encode_prompt
 from exitspec.drafters import drafter_folder, split_chain
 from exitspec.models import load_model_and_tokenizer, model_config, model_name
 from exitspec.train import dist
-from exitspec.train.acceptance import heldout_prompts, measure_acceptance
+from exitspec.train.acceptance import measure_acceptance
 from exitspec.train.config import TrainConfig
 from exitspec.train.dflash_loss import DFlashObjective
 from exitspec.train.features import cache_features
-from exitspec.train.rollouts import GenerationSettings, load_rollouts, make_rollouts, summarize_rollouts
+from exitspec.train.heldout import make_heldout
+from exitspec.train.rollouts import (
+    GenerationSettings,
+    load_rollouts,
+    make_rollouts,
+    stop_and_pad,
+    summarize_rollouts,
+)
 from exitspec.train.trainer import RolloutData, make_drafter, train
 
 
@@ -92,19 +98,9 @@ def run_eval(args) -> list[dict]:
         raise ValueError("held-out acceptance measures DFlash drafters; 'ngram' and chains have no draft logits to build from")
     decoders = load_decoders(args.model, args.drafters, args.device, args.dtype, args.threads)
     model, tokenizer = next(iter(decoders.values())).target.model, next(iter(decoders.values())).target.tokenizer
-    if tokenizer is None:
-        raise ValueError("held-out prompts are text: the target folder needs a tokenizer")
-    settings = GenerationSettings(
-        model=model_name(args.model), max_new_tokens=args.max_new_tokens, temperature=0.0, seed=args.seed,
-    )
-    data = {}
-    for spec in args.datasets:
-        name, samples = load_dataset(spec, args.data_dir)
-        folder = Path(args.rollouts) / name
-        prompts = heldout_prompts(samples, tokenizer, name, args.num_prompts)
-        make_rollouts(model, prompts, folder, settings, *stop_and_pad(model, tokenizer), progress=not args.no_progress)
-        wanted = {pid for pid, _ in prompts}
-        data[name] = RolloutData([r for r in load_rollouts(folder) if r.id in wanted], max_len=1 << 20, seed=args.seed)
+    heldout = make_heldout(model, tokenizer, model_name(args.model), args.datasets, args.rollouts, args.num_prompts,
+                           args.max_new_tokens, args.data_dir, progress=not args.no_progress)
+    data = {name: RolloutData(rollouts, max_len=1 << 20, seed=args.seed) for name, rollouts in heldout.items()}
     rows = []
     for spec, decoder in decoders.items():
         drafter = decoder.drafter  # a DFlashDrafter, checked against the target when it loaded
@@ -135,8 +131,9 @@ def run_features(args, dtype: str) -> int:
 
 def train_config(args, dtype: str) -> TrainConfig:
     """The TrainConfig of a parsed `train dflash | exit` command line."""
-    names = {f.name for f in fields(TrainConfig)} - {"dtype", "target"}
-    return TrainConfig(**{k: getattr(args, k) for k in names}, target=args.model, dtype=dtype)
+    names = {f.name for f in fields(TrainConfig)} - {"dtype", "target", "data_dir"}
+    data_dir = None if args.data_dir is None else str(args.data_dir)
+    return TrainConfig(**{k: getattr(args, k) for k in names}, target=args.model, dtype=dtype, data_dir=data_dir)
 
 
 def run_rollouts(args, dtype: str) -> int:
@@ -167,13 +164,6 @@ def run_rollouts(args, dtype: str) -> int:
     print(f"{n} new rollouts in {args.rollouts}; in all {total['rollouts']} rollouts, {total['response_tokens']} "
           f"response tokens, {total['looped']} stopped in a repetition loop")
     return 0
-
-
-def stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
-    """The end-of-sequence ids that end a rollout, and the id that pads a batch."""
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
-    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
 
 
 def encode(prompts, tokenizer, limit: int, max_tokens: int) -> list[tuple[str, list[int]]]:

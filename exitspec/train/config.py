@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WEIGHT_MODES = ("exit", "prefix", "none")  # ExitTrain's node weights (exit_loss.py)
+BENCHMARKS = ("gsm8k", "math500", "humaneval", "mtbench")  # held-out sets (never trained on) of the drafter goals
 LOSSES = ("ce", "kl", "ce+kl")  # the block loss (dflash_loss.py): sampled tokens, the target's distribution, both
 # TrainConfig's exit-loss fields, in ExitConfig's order: (TrainConfig field, ExitConfig field)
 EXIT_FIELDS = (("exit_weight", "weight"), ("lam", "lam"), ("budget", "budget"),
@@ -60,6 +61,11 @@ class TrainConfig:
     save_every: int = 200
     log_every: int = 10
     keep: int = 2  # checkpoints kept
+    eval_every: int = 0  # > 0: log the held-out greedy check (heldout.py) every so many steps
+    eval_dir: str = "runs/heldout"  # the target's held-out responses, made once per dataset
+    eval_datasets: tuple[str, ...] = BENCHMARKS
+    eval_prompts: int = 20  # prompts per held-out dataset
+    data_dir: str | None = None  # GSM8K / MATH-500 folder (None: $EXITSPEC_DATA, else shared/data)
     exit_weight: str = "none"  # exit loss (exit_loss.py): exit | prefix | none (plain DFlash)
     lam: float = 0.0  # λ in L_tok + λ·L_exit
     budget: int = 32  # DDTree budget of the exit loss's trees

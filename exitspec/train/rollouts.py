@@ -156,6 +156,13 @@ def loop_start(tokens: list[int], repeats: int, spans: range = LOOP_SPANS) -> in
     return None
 
 
+def stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
+    """The end-of-sequence ids that end a rollout, and the id that pads a batch."""
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
+    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+
+
 def _check_meta(folder: Path, settings: GenerationSettings) -> None:
     """Writes meta.json in a new folder; in an existing one, refuses other settings than those it was made with."""
     defaults = {f.name: f.default for f in fields(GenerationSettings) if f.default is not MISSING}

@@ -38,11 +38,13 @@ from exitspec.train.config import EXIT_FIELDS, ExitConfig, TrainConfig
 from exitspec.train.dflash_loss import BlockLoss, DFlashObjective, sample_anchors, target_features
 from exitspec.train.exit_loss import ExitLoss, train_loss
 from exitspec.train.features import FeatureStore
+from exitspec.train.heldout import HELDOUT_TOKENS, GreedyCheck, make_heldout
 from exitspec.train.rollouts import Rollout, load_rollouts
 
 BETAS = (0.9, 0.95)
 # config fields a resumed run may change (the data itself is checked by its size)
-RESUMABLE_CHANGES = {"run_dir", "rollouts", "steps", "save_every", "log_every", "keep", "init", "features"}
+RESUMABLE_CHANGES = {"run_dir", "rollouts", "steps", "save_every", "log_every", "keep", "init", "features",
+                     "eval_every", "eval_dir", "eval_datasets", "eval_prompts", "data_dir"}
 
 
 @dataclass
@@ -176,7 +178,7 @@ def train(
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
-    target, _ = load_model_and_tokenizer(cfg.target, d.device, getattr(torch, cfg.dtype))
+    target, tokenizer = load_model_and_tokenizer(cfg.target, d.device, getattr(torch, cfg.dtype))
     drafter = make_drafter(cfg, target).to(d.device).train()
     optimizer = make_optimizer(drafter, cfg)
     data = RolloutData(load_rollouts(cfg.rollouts), cfg.max_len, cfg.seed, step_size=d.world * cfg.batch_size)
@@ -204,6 +206,11 @@ def train(
         real = torch.arange(ids.shape[1], device=d.device) < lengths[:, None]  # [B, L]
         real[:, 0] = False  # the first token is an attention sink with a huge norm
         drafter.calibrate_fc(features[real])
+    check = None
+    if cfg.eval_every and d.main:  # the held-out greedy check, logged every eval_every steps (heldout.py)
+        heldout = make_heldout(target, tokenizer, model_name(cfg.target), cfg.eval_datasets, cfg.eval_dir,
+                               cfg.eval_prompts, HELDOUT_TOKENS, cfg.data_dir, progress=progress)
+        check = GreedyCheck(target, heldout, drafter.config.target_layer_ids, seed=cfg.seed)
     if d.world > 1:  # DDP averages the drafter's gradients; its one buffer, the draft vocabulary, is the same everywhere
         model = DistributedDataParallel(
             objective, device_ids=[d.device] if d.device.type == "cuda" else None, broadcast_buffers=False
@@ -257,6 +264,10 @@ def train(
                 log.write(json.dumps(last) + "\n")
                 log.flush()
                 bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tok_s=f"{last['tok_per_s']:.0f}")
+        if check is not None and (step % cfg.eval_every == 0 or step == end):
+            log.write(json.dumps({"step": step, "epoch": round(position / len(data), 4), "heldout": check(objective)})
+                      + "\n")
+            log.flush()
         if step % cfg.save_every == 0 or step == end:
             state = {"step": step, "data": {"position": position, "sequences": len(data)}, "config": asdict(cfg)}
             save_checkpoint(ckpt_dir, step, drafter, optimizer, state, anchor_gen, d, cfg.keep)
