@@ -47,6 +47,9 @@ def test_frequent_tokens_ranks_by_count_and_keeps_end_tokens():
     assert frequent_tokens(responses, 3, 16).tolist() == [2, 5, 7]  # ties (5, 7) by id
     assert frequent_tokens(responses, 3, 16, always=[15]).tolist() == [2, 5, 15]
     assert frequent_tokens(responses, 6, 16).tolist() == [0, 1, 2, 5, 7, 9]  # then the lowest unused ids
+    prompts = [[11, 11, 12, 13, 13, 13, 13]]  # a response token counts 10 times, a prompt token once
+    assert frequent_tokens(responses, 5, 16, prompts=prompts).tolist() == [2, 5, 7, 9, 13]
+    assert frequent_tokens(responses, 6, 16, prompts=prompts).tolist() == [2, 5, 7, 9, 11, 13]
     with pytest.raises(ValueError, match=r"needs 1..16 tokens"):
         frequent_tokens(responses, 17, 16)
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 16\)"):

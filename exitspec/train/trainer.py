@@ -300,8 +300,8 @@ def make_drafter(cfg: TrainConfig, target) -> DFlashModel:
 
 
 def apply_draft_vocab(drafter: DFlashModel, size: int, data: RolloutData, target) -> None:
-    """Gives a drafter without a draft vocabulary the `size` tokens most frequent in the training responses
-    (end-of-sequence tokens always); a drafter that has one (from --init) must have this size."""
+    """Gives a drafter without a draft vocabulary the `size` tokens most frequent in the training sequences
+    (vocab.frequent_tokens); a drafter that has one (from --init) must have this size."""
     if drafter.draft_vocab is not None:
         if drafter.draft_vocab.numel() != size:
             raise ValueError(f"the --init drafter has a draft vocabulary of {drafter.draft_vocab.numel()} tokens, "
@@ -309,8 +309,8 @@ def apply_draft_vocab(drafter: DFlashModel, size: int, data: RolloutData, target
         return
     eos = target.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    responses = (ids[start:] for ids, start in data.seqs)
-    drafter.use_draft_vocab(frequent_tokens(responses, size, drafter.config.vocab_size, eos))
+    responses, prompts = (ids[start:] for ids, start in data.seqs), (ids[:start] for ids, start in data.seqs)
+    drafter.use_draft_vocab(frequent_tokens(responses, size, drafter.config.vocab_size, eos, prompts))
 
 
 def make_optimizer(drafter: DFlashModel, cfg: TrainConfig) -> torch.optim.AdamW:
