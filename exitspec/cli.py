@@ -7,6 +7,7 @@
     exitspec inspect "..." --rounds 8                        # where the target's mass leaves the trees (+ PNG)
     exitspec bench --preset table1 --num-prompts 20          # τ and SR per dataset, report + plots
     exitspec latency --budgets 32 64                         # the verifier decision's latency alone
+    exitspec latency --stage forward                         # the target's tree forward against N, per backend
     exitspec train dflash --steps 2000                       # train a DFlash drafter on target rollouts
 
 One argparse tree: every command takes the shared option groups of exitspec.app (model and machine,
@@ -216,6 +217,12 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 def _add_latency(p: argparse.ArgumentParser) -> None:
     """`exitspec latency`'s own options; the model and common options come from app's shared groups."""
+    p.add_argument("--stage", choices=("verify", "forward"), default="verify",
+                   help="verify: the verifier decision and stage, predraw vs TEV (table 3); forward: the target's "
+                        "tree forward + commit against N, transformers' forward vs the lean one (bench/forward.py)")
+    p.add_argument("--sizes", type=integer(0, MAX_BUDGET), nargs="+", default=[0, 1, 2, 4, 8, 16, 32, 64],
+                   help="--stage forward: tree sizes N (0: the root alone, one decoding step)")
+    p.add_argument("--context", type=integer(1), default=300, help="--stage forward: cached tokens before the tree")
     p.add_argument("--budgets", type=integer(1), nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--temperatures", type=real(), nargs="+", default=[1.0, 0.6])
     p.add_argument("--top-p", type=real(0.0, 1.0, low_open=True), default=1.0)

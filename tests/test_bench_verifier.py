@@ -31,3 +31,25 @@ def test_synthetic_json(tmp_path):
 def test_rejects_bad_arguments(capsys):
     assert main(["latency", "--synthetic", "--budgets", "0"]) == 2
     assert "--budgets: 0 is out of range" in capsys.readouterr().err
+
+
+def test_forward_stage_json(tmp_path):
+    """--stage forward on a tiny Llama: both backends, chain and tree shapes, each size, ratios to the root alone."""
+    from tiny_models import save_tiny_llama
+
+    from exitspec.bench.forward import bushy_tree
+
+    save_tiny_llama(tmp_path / "model")
+    out = tmp_path / "forward.json"
+    argv = ["--stage", "forward", "--model", str(tmp_path / "model"), "--sizes", "0", "3", "6", "--context", "20",
+            "--repeats", "2", "--device", "cpu", "--json", str(out)]
+    assert main(["latency", *argv]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["n"], r["shape"]) for r in result["rows"]] == [
+        (0, "chain"), (0, "tree"), (3, "chain"), (3, "tree"), (6, "chain"), (6, "tree")]
+    for row in result["rows"]:
+        for backend in ("transformers", "lean"):
+            assert row[backend]["ms"] > 0 and row[backend]["steps"] > 0
+    assert result["rows"][0]["lean"]["steps"] == 1.0
+    tree = bushy_tree(6, 1, 32, "cpu")
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 2] and tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 2]

@@ -46,6 +46,7 @@ from rich.table import Table
 from torch import Tensor
 
 from exitspec.app import load_decoders, resolve_device
+from exitspec.bench import forward
 from exitspec.build import build_ddtree
 from exitspec.decode import encode_prompt
 from exitspec.drafters import DFlashDrafter
@@ -244,11 +245,16 @@ def print_tables(result: dict, console: Console) -> None:
 
 def run(args) -> int:
     """`exitspec latency`: measures, prints the tables and with --json writes the results."""
-    result = measure(
-        args.model, args.drafter, args.device, args.dtype, args.threads, args.budgets, args.temperatures,
-        args.top_p, args.prompts, args.depth, args.repeats, args.warmup, args.synthetic, args.vocab, args.seed,
-    )
-    print_tables(result, Console())
+    if args.stage == "forward":
+        result = forward.measure(args.model, args.device, args.dtype, args.threads, args.sizes, args.context,
+                                 args.repeats)
+        forward.print_table(result, Console())
+    else:
+        result = measure(
+            args.model, args.drafter, args.device, args.dtype, args.threads, args.budgets, args.temperatures,
+            args.top_p, args.prompts, args.depth, args.repeats, args.warmup, args.synthetic, args.vocab, args.seed,
+        )
+        print_tables(result, Console())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,0 +1,98 @@
+"""The target stage's cost against tree size N, per backend: what a round pays for verifying N draft tokens.
+
+    exitspec latency --stage forward [--sizes 0 1 2 4 8 16 32 64] [--context 300] [--repeats 7]
+
+For each N, a chain of N draft tokens and a DDTree-shaped tree of N nodes (every node's children ranked
+best-first, as `build_ddtree` lays them out for a peaked drafter: a spine with short side branches) go
+through `forward_tree` + `commit` after `context` cached tokens, on transformers' own forward ("before")
+and on the lean Llama-family forward ("after"), alternated per size so load drift hits both alike. N = 0 is
+the root alone: one decoding step, the unit of the ratios. Reported: median milliseconds and ratio to that
+backend's own step. The decode loop's `--budget auto` measures the same stage for its cost model
+(budget.CostModel).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from exitspec.app import load_decoders
+from exitspec.lean import supports
+from exitspec.target import TargetModel, synchronize
+from exitspec.tree import DraftTree
+
+SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
+BACKENDS = ("transformers", "lean")
+
+
+def bushy_tree(size: int, root: int, vocab: int, device) -> DraftTree:
+    """A tree of `size` nodes shaped like a DDTree: node k's parent is (k − 1) // 2 for k ≥ 1 (a balanced
+    binary tree, parents first: every node has two children until the budget runs out)."""
+    parents = [-1] + [(k - 1) // 2 for k in range(1, size + 1)]
+    depths = [0]
+    for k in range(1, size + 1):
+        depths.append(depths[parents[k]] + 1)
+    tokens = [root] + [(7 * k + 3) % vocab for k in range(1, size + 1)]
+    return DraftTree(*(torch.tensor(x, dtype=torch.long) for x in (parents, tokens, depths))).to(device)
+
+
+def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, context=300, repeats=7) -> dict:
+    """Median seconds of forward_tree + commit per (backend, shape, N), alternating the backends."""
+    decoder = next(iter(load_decoders(model, ["ngram"], device, dtype, threads).values()))
+    hf = decoder.target.model
+    backends = [b for b in BACKENDS if b == "transformers" or supports(hf) is None]
+    targets = {b: TargetModel(hf, decoder.target.tokenizer, backend=b) for b in backends}
+    any_target = targets[backends[0]]
+    context = max(1, min(context, any_target.max_context - max(sizes) - 2))
+    ids = torch.arange(context, device=any_target.device) % any_target.vocab_size
+    for target in targets.values():
+        target.prefill(ids)
+    times = {(b, shape, n): [] for b in backends for shape in ("chain", "tree") for n in sizes}
+    for _ in range(repeats + 1):  # the first pass warms up and is dropped
+        for n in sizes:
+            for shape in ("chain", "tree"):
+                for b in backends:
+                    target = targets[b]
+                    if shape == "chain":
+                        tree = DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=target.device)
+                    else:
+                        tree = bushy_tree(n, 1, target.vocab_size, target.device)
+                    synchronize(target.device)
+                    start = time.perf_counter()
+                    target.forward_tree(tree)
+                    target.commit(tree, [])
+                    synchronize(target.device)
+                    times[b, shape, n].append(time.perf_counter() - start)
+                    target.truncate(context)
+    rows = []
+    for n in sizes:
+        for shape in ("chain", "tree"):
+            row = {"n": n, "shape": shape}
+            for b in backends:
+                seconds = statistics.median(times[b, shape, n][1:])
+                step = statistics.median(times[b, "chain", 0][1:])
+                row[b] = {"ms": round(1000 * seconds, 2), "steps": round(seconds / step, 3)}
+            rows.append(row)
+    return {"model": str(model or "SmolLM2-135M-Instruct"), "device": str(any_target.device),
+            "threads": torch.get_num_threads(), "context": context, "repeats": repeats, "rows": rows}
+
+
+def print_table(result: dict, console: Console) -> None:
+    backends = [b for b in BACKENDS if b in result["rows"][0]]
+    table = Table(title=f"Target stage (forward_tree + commit) against N, {result['context']}-token cache, "
+                        f"{result['threads']} threads, {result['device']}: ms and × one decoding step")
+    table.add_column("N", justify="right")
+    table.add_column("shape")
+    for b in backends:
+        table.add_column(f"{b} ms", justify="right")
+        table.add_column(f"{b} × step", justify="right")
+    for row in result["rows"]:
+        if row["n"] == 0 and row["shape"] == "tree":
+            continue  # the root alone is the same in both shapes
+        table.add_row(str(row["n"]), row["shape"] if row["n"] else "root", *(
+            x for b in backends for x in (f"{row[b]['ms']:.1f}", f"{row[b]['steps']:.2f}")))
+    console.print(table)
