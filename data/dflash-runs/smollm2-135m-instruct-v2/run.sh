@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The v2 DFlash drafter for SmolLM2-135M-Instruct (issue 17), stage by stage. Every stage resumes where it
+# stopped (rollout and feature shards, training checkpoints), so rerun a stage to continue it:
+#
+#   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh greedy     # target rollouts, T = 0
+#   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh t1         # target rollouts, T = 1, other prompts
+#   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh features   # the target's features + top-32, once
+#   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh ce|kl      # the matched-compute pair of runs
+#
+# Rollouts are committed (data/rollouts/...); features and checkpoints live in runs/ (remade from the
+# rollouts by this script). Run from the repository root.
+set -euo pipefail
+R=data/rollouts/smollm2-135m-instruct-v2
+F=runs/features-v2
+LAYERS=2,15,27  # low, middle and high target layers (EAGLE-3's choice of taps)
+GEN="--max-new-tokens 256 --gen-batch-size 128 --shard-size 128 --threads 2"
+# the drafter: 1 layer, block 8 (7 drafted depths), context window 128, a 16384-token draft vocabulary
+DRAFTER="--target-layers $LAYERS --num-layers 1 --block-size 8 --gamma 4 --context-window 128 --draft-vocab 16384"
+TRAIN="--batch-size 4 --anchors 64 --lr 1e-3 --warmup 100 --save-every 100 --log-every 10 --keep 2 --eval-every 250"
+
+case "${1:?stage: greedy | t1 | features | ce | kl}" in
+  greedy)  # 2000 prompts each of GSM8K train, ShareGPT first turns and stdlib code prompts, interleaved
+    exitspec train dflash --rollouts-only --rollouts $R/greedy --gsm8k 2000 --sharegpt 2000 --code 2000 \
+      --temperature 0 $GEN ;;
+  t1)  # the prompts after those 6000 in the same interleaved order, sampled at T = 1
+    exitspec train dflash --rollouts-only --rollouts $R/t1 --gsm8k 3000 --sharegpt 3000 --code -1 \
+      --skip-prompts 6000 --temperature 1 $GEN ;;
+  features)
+    exitspec train dflash --features-only --features $F --topk 32 --rollouts $R --target-layers $LAYERS \
+      --threads 2 ;;
+  ce|kl)  # the same drafter, data order, seeds and steps; only the block loss differs
+    exitspec train dflash --rollouts $R --features $F --run-dir runs/dflash-v2-$1 --loss $1 $DRAFTER $TRAIN \
+      --steps "${STEPS:-3000}" --threads 2 --no-progress ;;
+  *) echo "unknown stage $1" >&2; exit 2 ;;
+esac
