@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_llama
 
-from exitspec.budget import AutoBudget, CostModel, best_size
+from exitspec.budget import EXPLORE_EVERY, AutoBudget, CostModel, best_size
 from exitspec.build import build_trie, merge_best_first
 from exitspec.calibrate import Calibrator, model_bins, model_calibrator
 from exitspec.options import budget_cap, parse_budget
@@ -66,11 +66,21 @@ def test_auto_budget_tries_both_kinds_then_prefers_the_faster_and_keeps_explorin
     auto.record(False, 4, 0.5, 1.5, coverage=0.2)  # full drafting: 1.2 tokens in 2 s
     assert auto.cheap_round() is True
     auto.record(True, 2, 0.0, 1.2, coverage=0.6)  # cheap: 1.6 tokens in 1.2 s
-    kinds = []
-    for _ in range(16):
-        kinds.append(auto.cheap_round())
-        auto.record(kinds[-1], 2, 0.0, 1.2, coverage=0.6) if kinds[-1] else auto.record(False, 4, 0.5, 1.5, 0.2)
-    assert kinds.count(False) == 2 and kinds.count(True) == 14  # the slower kind every 8th round only
+
+    def play(rounds, full_outcome) -> list[int]:
+        """Plays rounds (cheap ones realise 1.6 tokens in 1.2 s); returns those that drafted in full."""
+        full = []
+        for round_no in rounds:
+            cheap = auto.cheap_round()
+            full += [] if cheap else [round_no]
+            auto.record(cheap, 2, 0.0, 1.2, 0.6) if cheap else auto.record(False, 4, *full_outcome)
+        return full
+
+    # the slower kind is retried after 8 rounds, then 16, 32, 64: the wait doubles while it stays slower
+    assert play(range(2, 200), (0.5, 1.5, 0.2)) == [7, 23, 55, 119]
+    # once full drafting pays (6.7 tokens/s), its next try wins: it drafts from then on, cheap is retried after 8
+    assert play(range(200, 260), (0.1, 0.5, 3.0)) == [*range(247, 255), *range(256, 260)]
+    assert auto.explore_every == 2 * EXPLORE_EVERY
 
 
 def test_calibrator_learns_realised_reach_and_stays_monotone():

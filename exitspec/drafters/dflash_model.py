@@ -502,6 +502,7 @@ class DFlashModel(nn.Module):
             (tmp / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
             tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
             save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+            os.chmod(tmp / WEIGHTS_NAME, 0o644)  # readable like config.json (safetensors writes 0600)
             if folder.exists():
                 old = tmp.with_name(tmp.name + "-old")
                 folder.rename(old)
