@@ -128,7 +128,7 @@ class LoopWatch:
         return live & (self.runs >= (self.repeats - 1) * self.spans).any(dim=1)
 
 
-def sample_rows(logits: Tensor, temperature: float, generators: Sequence[torch.Generator | None]) -> Tensor:
+def next_tokens(logits: Tensor, temperature: float, generators: Sequence[torch.Generator | None]) -> Tensor:
     """The next token of each row [R] from logits [R, V]: argmax at temperature 0, else a draw from
     softmax(logits / T) with the row's own generator."""
     if temperature <= 0:
@@ -196,14 +196,14 @@ def generate_responses(
                 watch.reset(row)
                 logits = batch.prefill(row, torch.tensor(ids, device=device))
                 new = tokens.clone()
-                new[row] = sample_rows(logits[None], temperature, [generators[row]])[0]
+                new[row] = next_tokens(logits[None], temperature, [generators[row]])[0]
                 live = torch.arange(rows, device=device) == row
                 if bool(accept(new, live)[row]):
                     yield finish(row)
         live = torch.tensor([o is not None for o in owner], device=device)
         if not bool(live.any()):
             return
-        new = sample_rows(batch.step(tokens), temperature, generators)  # [R]
+        new = next_tokens(batch.step(tokens), temperature, generators)  # [R]
         ended = accept(new, live)
         batch.lengths.masked_fill_(~live, 0)  # idle rows stay empty
         for row in ended.nonzero().flatten().tolist():
