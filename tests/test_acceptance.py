@@ -118,7 +118,8 @@ def test_greedy_check_equals_the_inference_trees_on_greedy_responses(models, dra
                 response.append(int(model(torch.tensor([prompt + response])).logits[0, -1].argmax()))
         rollouts.append(Rollout(str(i), prompt, response))
     check = GreedyCheck(model, {"set": rollouts}, drafter.config.target_layer_ids, anchors=100)
-    objective = DFlashObjective(drafter, model.get_input_embeddings(), model.get_output_embeddings())
+    # a kl objective (as a Draft-OPD run's) needs no soft targets here: the check reads only the draft logits
+    objective = DFlashObjective(drafter, model.get_input_embeddings(), model.get_output_embeddings(), loss="kl")
     result = check(objective, budget=BUDGET)["set"]
     expected = [t for r in rollouts for t in inference_taus(model, drafter, r, 0.0)]
     assert result["anchors"] == len(expected) == 3 * 11

@@ -70,7 +70,7 @@ def measure_acceptance(
         picked, keep = sample_anchors(starts, lengths, anchors, gen)
         ids, lengths, picked, keep = (x.to(device) for x in (ids, lengths, picked, keep))
         features = target_features(target, ids, lengths, drafter.config.target_layer_ids)  # [B, L, F]
-        draft_logits = objective.head.expand(objective(ids, features, lengths, picked, keep).logits)  # [B, N, H, V]
+        draft_logits = objective.head.expand(objective.draft_logits(ids, features, picked))  # [B, N, H, V]
         kept = keep.flatten()  # [B*N]
         for budget in budgets:
             trees = build_anchor_trees(draft_logits, ids.gather(1, picked), keep, budget)  # [B*N, M]

@@ -130,12 +130,9 @@ class DFlashObjective(nn.Module):
         self.head = DraftHead(lm_head, drafter.draft_vocab)  # logits over the drafter's vocabulary [.., Vd]
         self.gamma, self.loss = gamma, loss
 
-    def forward(
-        self, ids: Tensor, features: Tensor, lengths: Tensor, anchors: Tensor, keep: Tensor,
-        soft: tuple[Tensor, Tensor] | None = None,
-    ) -> BlockLoss:
-        """ids [B, L], features [B, L, F], lengths [B], anchors / keep [B, N] (see `sample_anchors`); soft: the
-        target's top-k probabilities and token ids at every position, [B, L, k] each (needed by kl)."""
+    def draft_logits(self, ids: Tensor, features: Tensor, anchors: Tensor) -> Tensor:
+        """The drafted slots' logits [B, N, bs−1, Vd] of the blocks at anchors [B, N] of ids [B, L], whose
+        context rows are features [B, L, F] (row j: the target's features of ids[:, j])."""
         drafter, bs = self.drafter, self.drafter.block_size
         b, n = anchors.shape
         dtype = drafter.fc.weight.dtype
@@ -146,10 +143,24 @@ class DFlashObjective(nn.Module):
         hidden = drafter(blocks, positions, features.to(dtype), ctx_positions, anchors)  # [B, N*bs, D]
         hidden = hidden.view(b, n, bs, -1)[:, :, 1:].reshape(b * n * (bs - 1), -1)  # [B·N·(bs−1), D]: drafted slots
         # a contiguous 2D input makes the LM head one matmul; the strided 4D view fell back to a bmm ~10x slower
-        logits = self.head(hidden).float().view(b, n, bs - 1, -1)  # [B, N, bs−1, Vd]
-        target_pos = anchors[..., None] + offsets[1:]  # [B, N, bs−1]
-        valid = keep[..., None] & (target_pos < lengths[:, None, None])  # [B, N, bs−1]
-        targets = ids.gather(1, target_pos.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(target_pos)
+        return self.head(hidden).float().view(b, n, bs - 1, -1)  # [B, N, bs−1, Vd]
+
+    def slot_targets(self, ids: Tensor, lengths: Tensor, anchors: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """Each drafted slot's token [B, N, bs−1] (x_{a+k} for slot k) and whether the slot counts (kept anchor,
+        inside its sequence)."""
+        target_pos = anchors[..., None] + torch.arange(1, self.drafter.block_size, device=ids.device)  # [B, N, bs−1]
+        valid = keep[..., None] & (target_pos < lengths[:, None, None])
+        return ids.gather(1, target_pos.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(target_pos), valid
+
+    def forward(
+        self, ids: Tensor, features: Tensor, lengths: Tensor, anchors: Tensor, keep: Tensor,
+        soft: tuple[Tensor, Tensor] | None = None,
+    ) -> BlockLoss:
+        """ids [B, L], features [B, L, F], lengths [B], anchors / keep [B, N] (see `sample_anchors`); soft: the
+        target's top-k probabilities and token ids at every position, [B, L, k] each (needed by kl)."""
+        bs = self.drafter.block_size
+        logits = self.draft_logits(ids, features, anchors)  # [B, N, bs−1, Vd]
+        targets, valid = self.slot_targets(ids, lengths, anchors, keep)  # [B, N, bs−1] each
         columns = self.head.columns(targets)  # [B, N, bs−1]: −1 where the token is outside the draft vocabulary
         ce = F.cross_entropy(logits.flatten(0, 2), columns.flatten(), ignore_index=-1, reduction="none")
         ce = ce.view_as(targets)  # 0 at a token the drafter cannot propose: such a slot only counts as wrong
@@ -159,7 +170,8 @@ class DFlashObjective(nn.Module):
             if soft is None:
                 raise ValueError(f"the {self.loss} loss needs the target's top-k probabilities (a --topk feature cache)")
             top_probs, top_ids = soft
-            where = (target_pos - 1).clamp(max=ids.shape[1] - 1)  # [B, N, bs−1]: the position whose p it reads
+            where = (anchors[..., None] + torch.arange(bs - 1, device=ids.device)).clamp(max=ids.shape[1] - 1)
+            # [B, N, bs−1]: slot k reads the target's p at position a + k − 1, the one that predicts x_{a+k}
             kl = soft_cross_entropy(logits, top_probs, self.head.columns(top_ids.long()), where)  # [B, N, bs−1]
             per_slot = kl if self.loss == "kl" else ce + kl
         loss = (per_slot * weights).sum() / weights.sum().clamp(min=1e-12)

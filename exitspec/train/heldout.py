@@ -87,14 +87,13 @@ class GreedyCheck:
         for name, rows in self.sequences.items():
             taus, correct, counted = [], torch.zeros(horizon), torch.zeros(horizon)
             for ids, lengths, anchors, keep, features in rows:
-                block = objective(ids, features.to(drafter.fc.weight.dtype), lengths, anchors, keep)
-                depth = anchors[..., None] + torch.arange(1, horizon + 1, device=ids.device)  # [1, N, H]
-                valid = keep[..., None] & (depth < lengths[:, None, None])
-                correct += block.correct.sum(dim=(0, 1)).cpu()
+                logits = objective.draft_logits(ids, features, anchors)  # [1, N, H, Vd]
+                targets, valid = objective.slot_targets(ids, lengths, anchors, keep)  # [1, N, H] each
+                correct += ((logits.argmax(dim=-1) == objective.head.columns(targets)) & valid).sum(dim=(0, 1)).cpu()
                 counted += valid.sum(dim=(0, 1)).cpu()
-                trees = build_anchor_trees(objective.head.expand(block.logits), ids.gather(1, anchors), keep, budget)
-                follow = ids[0, depth.clamp(max=ids.shape[1] - 1)].masked_fill(~valid, -1)  # [1, N, H]
-                taus.append(1 + followed_length(trees, follow.flatten(0, 1))[keep.flatten()])
+                trees = build_anchor_trees(objective.head.expand(logits), ids.gather(1, anchors), keep, budget)
+                follow = targets.masked_fill(~valid, -1).flatten(0, 1)  # [N, H]: the response's tokens to follow
+                taus.append(1 + followed_length(trees, follow)[keep.flatten()])
             taus = torch.cat(taus).double()
             results[name] = {"anchors": int(taus.numel()), "tau": round(float(taus.mean()), 4),
                              "acc_k": [round(float(c / max(n, 1)), 4) for c, n in zip(correct, counted, strict=True)]}
