@@ -156,10 +156,17 @@ def loop_start(tokens: list[int], repeats: int, spans: range = LOOP_SPANS) -> in
     return None
 
 
+def end_tokens(model, tokenizer=None) -> list[int]:
+    """The end-of-sequence ids of a model: its generation config's, else its tokenizer's (maybe none)."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
 def stop_and_pad(model, tokenizer) -> tuple[list[int], int]:
     """The end-of-sequence ids that end a rollout, and the id that pads a batch."""
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
+    eos = end_tokens(model, tokenizer)
     return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
 
 

@@ -39,7 +39,7 @@ from exitspec.train.dflash_loss import BlockLoss, DFlashObjective, sample_anchor
 from exitspec.train.exit_loss import ExitLoss, train_loss
 from exitspec.train.features import FeatureStore
 from exitspec.train.heldout import HELDOUT_TOKENS, GreedyCheck, make_heldout
-from exitspec.train.rollouts import Rollout, load_rollouts
+from exitspec.train.rollouts import Rollout, end_tokens, load_rollouts
 
 BETAS = (0.9, 0.95)
 # config fields a resumed run may change (the data itself is checked by its size)
@@ -307,8 +307,7 @@ def apply_draft_vocab(drafter: DFlashModel, size: int, data: RolloutData, target
             raise ValueError(f"the --init drafter has a draft vocabulary of {drafter.draft_vocab.numel()} tokens, "
                              f"not --draft-vocab {size}")
         return
-    eos = target.generation_config.eos_token_id
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    eos = end_tokens(target)
     responses, prompts = (ids[start:] for ids, start in data.seqs), (ids[:start] for ids, start in data.seqs)
     drafter.use_draft_vocab(frequent_tokens(responses, size, drafter.config.vocab_size, eos, prompts))
 
