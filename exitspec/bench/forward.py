@@ -2,9 +2,8 @@
 
     exitspec latency --stage forward [--sizes 0 1 2 4 8 16 32 64] [--context 300] [--repeats 7]
 
-For each N, a chain of N draft tokens and a DDTree-shaped tree of N nodes (every node's children ranked
-best-first, as `build_ddtree` lays them out for a peaked drafter: a spine with short side branches) go
-through `forward_tree` + `commit` after `context` cached tokens, on transformers' own forward ("before")
+For each N, a chain of N draft tokens (the deepest tree, as a peaked drafter's DDTree tends to be) and a
+balanced binary tree of N nodes (`bushy_tree`, as a flat drafter's is) go through `forward_tree` + `commit` after `context` cached tokens, on transformers' own forward ("before")
 and on the lean Llama-family forward ("after"), alternated per size so load drift hits both alike. N = 0 is
 the root alone: one decoding step, the unit of the ratios. Reported: median milliseconds and ratio to that
 backend's own step. The decode loop's `--budget auto` measures the same stage for its cost model
@@ -30,8 +29,7 @@ BACKENDS = ("transformers", "lean")
 
 
 def bushy_tree(size: int, root: int, vocab: int, device) -> DraftTree:
-    """A tree of `size` nodes shaped like a DDTree: node k's parent is (k − 1) // 2 for k ≥ 1 (a balanced
-    binary tree, parents first: every node has two children until the budget runs out)."""
+    """A balanced binary tree of `size` nodes, parents first: node k's parent is (k − 1) // 2 for k ≥ 1."""
     parents = [-1] + [(k - 1) // 2 for k in range(1, size + 1)]
     depths = [0]
     for k in range(1, size + 1):
