@@ -43,7 +43,7 @@ from exitspec.options import (
     sampling_options,
     text,
 )
-from exitspec.train.config import EXIT_FIELDS, LOSSES, WEIGHT_MODES, TrainConfig
+from exitspec.train.config import BENCHMARKS, EXIT_FIELDS, LOSSES, WEIGHT_MODES, TrainConfig
 
 RAW = argparse.RawDescriptionHelpFormatter
 DEFAULTS = type("DefaultsFormatter", (RAW, argparse.ArgumentDefaultsHelpFormatter), {})  # docstring + defaults
@@ -322,7 +322,7 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     """`exitspec train eval`'s own options; the model, machine and common options come from app's groups."""
     p.add_argument("--drafters", nargs="+", default=["dflash"], metavar="SPEC",
                    help="shipped drafters ('dflash', 'exittrain') or DFlash checkpoint folders")
-    p.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mtbench"], metavar="NAME",
+    p.add_argument("--datasets", nargs="+", default=list(BENCHMARKS), metavar="NAME",
                    help="benchmark sets (exitspec.data); their first turns are the held-out prompts")
     p.add_argument("--data-dir", type=Path, help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
     p.add_argument("--num-prompts", type=integer(1), default=20, help="the first N samples of each dataset")
