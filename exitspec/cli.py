@@ -35,6 +35,7 @@ from exitspec.options import (
     budget_option,
     common_options,
     drafter_option,
+    expand_config,
     integer,
     model_options,
     option,
@@ -87,8 +88,13 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     """Parses argv (default: sys.argv), runs the command, returns its exit code (2: bad input)."""
     setup_cpu()
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+        try:
+            argv = expand_config(sys.argv[1:] if argv is None else list(argv))
+        except ValueError as e:
+            parser.error(str(e))
+        args = parser.parse_args(argv)
     except SystemExit as done:  # --help, or an option refused while parsing (one line already printed)
         return done.code or 0
     module, function = args.run.split(":")

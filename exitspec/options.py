@@ -123,7 +123,44 @@ def common_options() -> Parser:
     """Options every command takes."""
     p = Parser(add_help=False)
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    p.add_argument("--config", metavar="FILE", help="options from a TOML file (`option = value`, as on the command "
+                   "line; a list gives several values, true a flag); options after --config win")
     return p
+
+
+def expand_config(argv: Sequence[str]) -> list[str]:
+    """argv with every `--config FILE` replaced, where it stood, by the options the TOML FILE holds: `max-len =
+    512` gives `--max-len 512`, a list several values, true a bare flag, false nothing. Later options win,
+    as argparse keeps the last value. Raises ValueError naming the file and the problem."""
+    import tomllib
+
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] != "--config" and not argv[i].startswith("--config="):
+            out.append(argv[i])
+            i += 1
+            continue
+        path, i = (argv[i + 1] if i + 1 < len(argv) else None, i + 2) if argv[i] == "--config" else (argv[i][9:], i + 1)
+        if not path:
+            raise ValueError("--config needs a file")
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except OSError as e:
+            raise ValueError(f"--config {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"--config {path} is not TOML: {e}") from None
+        for key, value in table.items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                out += [flag] if value else []
+            elif isinstance(value, (int, float, str)):
+                out += [flag, str(value)]
+            elif isinstance(value, list) and all(isinstance(v, (int, float, str)) for v in value):
+                out += [flag, *map(str, value)]
+            else:
+                raise ValueError(f"--config {path}: {key} must be a number, a string, true/false or a list of them")
+    return out
 
 
 def model_options(model_flags: Sequence[str] = ("--model",)) -> Parser:

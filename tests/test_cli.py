@@ -155,3 +155,30 @@ def test_each_command_keeps_its_own_defaults():
     assert parser.parse_args(["generate", "x"]).temperature == 0.0
     assert parser.parse_args(["inspect", "x"]).temperature == 1.0
     assert parser.parse_args(["generate", "x"]).temperature == 0.0
+
+
+def test_config_files_give_options_and_the_command_line_wins(tmp_path, capsys):
+    """--config FILE (TOML) expands where it stands: later options win; a bad file is one line and exit 2."""
+    from exitspec.cli import build_parser
+    from exitspec.options import expand_config
+
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('steps = 7\ntarget_layers = "2,15,27"\neval-datasets = ["gsm8k", "math500"]\n'
+                      "no-progress = true\nlr = 0.001\nfeatures-only = false\n")
+    argv = expand_config(["train", "dflash", "--config", str(recipe), "--steps", "9"])
+    args = build_parser().parse_args(argv)
+    assert (args.steps, args.target_layers, args.eval_datasets) == (9, (2, 15, 27), ["gsm8k", "math500"])
+    assert args.no_progress and args.lr == 0.001 and not args.features_only
+    assert build_parser().parse_args(expand_config(["train", "dflash", f"--config={recipe}"])).steps == 7
+    (tmp_path / "bad.toml").write_text("x = {a = 1}\n")
+    (tmp_path / "broken.toml").write_text("x = \n")
+    for argv, message in [
+        (["--config", str(tmp_path / "nope.toml")], "No such file or directory"),
+        (["--config", str(tmp_path / "bad.toml")], "x must be a number, a string, true/false or a list"),
+        (["--config", str(tmp_path / "broken.toml")], "is not TOML"),
+        (["--config"], "--config needs a file"),
+        (["--config", str(recipe), "--steps", "0"], "--steps"),
+    ]:
+        assert main(["train", "dflash", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
