@@ -162,7 +162,8 @@ def run_rollouts(args, dtype: str) -> int:
                       args.shard_size, progress=not args.no_progress)
     total = summarize_rollouts(args.rollouts)
     print(f"{n} new rollouts in {args.rollouts}; in all {total['rollouts']} rollouts, {total['response_tokens']} "
-          f"response tokens, {total['looped']} stopped in a repetition loop")
+          f"response tokens, {total['looped']} stopped in a repetition loop (cutting at most "
+          f"{total['loop_tokens_cut']} loop tokens)")
     return 0
 
 

@@ -72,15 +72,19 @@ def load_rollouts(folder: str | Path) -> list[Rollout]:
 
 
 def summarize_rollouts(folder: str | Path) -> dict:
-    """Rollouts, response tokens and responses stopped in a loop, over every shard in or below `folder`."""
-    counts = {"rollouts": 0, "response_tokens": 0, "looped": 0}
+    """Over every shard in or below `folder`: rollouts, response tokens, responses stopped in a loop, and
+    `loop_tokens_cut`: what those would have added had they run to max_new_tokens (an upper bound on the
+    tokens the loop cut removed; a small model's loops mostly do run to the cap)."""
+    counts = {"rollouts": 0, "response_tokens": 0, "looped": 0, "loop_tokens_cut": 0}
     for shard in Path(folder).rglob(SHARD_GLOB):
+        cap = json.loads((shard.parent / META_NAME).read_text())["max_new_tokens"]
         with shard.open(encoding="utf-8") as f:
             for line in f:
                 r = json.loads(line)
                 counts["rollouts"] += 1
                 counts["response_tokens"] += len(r["response_ids"])
                 counts["looped"] += bool(r.get("looped"))
+                counts["loop_tokens_cut"] += cap - len(r["response_ids"]) if r.get("looped") else 0
     return counts
 
 
