@@ -113,6 +113,16 @@ def decoder_layer(
     return x + layer.down_proj(F.silu(gate) * up)
 
 
+def additive_mask(visible: Tensor, past: int, dtype: torch.dtype, blocked: float = float("-inf")) -> Tensor:
+    """[n, past+n] float mask for n new tokens after `past` cached ones: 0 where a query sees a key, `blocked`
+    where not. Every cached token is visible; among the new ones, query i sees key j where visible [n, n] is
+    True. sdpa needs it additive: a boolean mask is silently wrong under eager attention."""
+    n = visible.shape[0]
+    mask = torch.zeros(n, past + n, dtype=dtype, device=visible.device)
+    mask[:, past:].masked_fill_(~visible, blocked)
+    return mask
+
+
 class LeanLlama:
     """Forward of a Llama-family causal LM for one sequence, with a KV cache of [layers, Hkv, capacity, hd]."""
 
@@ -170,9 +180,7 @@ class LeanLlama:
         if n > 1:
             if visible is None:
                 visible = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-            mask = torch.zeros(n, end, dtype=x.dtype, device=ids.device)  # [n, L+n]
-            mask[:, start:].masked_fill_(~visible, float("-inf"))
-            mask = mask.repeat(groups, 1)  # [g·n, L+n], rows in the order of the stacked query heads
+            mask = additive_mask(visible, start, x.dtype).repeat(groups, 1)  # [g·n, L+n], rows in the order of the stacked query heads
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from exitspec.lean import LeanLlama, supports
+from exitspec.lean import LeanLlama, additive_mask, supports
 from exitspec.tree import DraftTree
 
 
@@ -68,11 +68,8 @@ class TransformersForward:
         """As LeanLlama.forward: logits [r, V] and the feature taps [n, D] of ids [n] appended to the cache."""
         mask = None
         if visible is not None:
-            n, start = ids.numel(), self.length
             dtype = self.model.dtype
-            mask = torch.zeros(n, start + n, dtype=dtype, device=ids.device)  # [n, L+n]
-            mask[:, start:].masked_fill_(~visible, torch.finfo(dtype).min)
-            mask = mask[None, None]  # [1, 1, n, L+n]
+            mask = additive_mask(visible, self.length, dtype, torch.finfo(dtype).min)[None, None]  # [1, 1, n, L+n]
         out = self.model(
             input_ids=ids[None],
             position_ids=positions[None],

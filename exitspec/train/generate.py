@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
-from exitspec.lean import LeanLlama, decoder_layer, supports
+from exitspec.lean import LeanLlama, additive_mask, decoder_layer, supports
 
 LOOP_SPANS = range(4, 65)  # span lengths a repetition loop is looked for at
 
@@ -58,7 +58,7 @@ class LeanBatch:
         x = lean.embed(ids)[None]  # [1, n, D]
         cos, sin = lean.rotary(x, torch.arange(n, device=ids.device)[None])  # [1, n, hd]
         causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-        mask = torch.zeros(n, n, dtype=x.dtype, device=ids.device).masked_fill_(~causal, float("-inf")).repeat(g, 1)
+        mask = additive_mask(causal, 0, x.dtype).repeat(g, 1)  # [g·n, n]
         for i, layer in enumerate(lean.layers):
 
             def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:  # [1, H, n, hd], [1, Hkv, n, hd] x 2
