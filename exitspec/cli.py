@@ -82,6 +82,10 @@ def build_parser() -> Parser:
                        [train_model], "exitspec.train.cli:run_train", DEFAULTS), "exit")
     _add_eval(command(stages, "eval", "held-out E[τ] = 1 + C_p of DFlash drafters, exact and without decoding",
                       [train_model], "exitspec.train.cli:run_eval_command", DEFAULTS))
+    curve = command(stages, "curve", "plot the held-out curve (τ, depth-1 top-1) of training runs against tokens",
+                    [], "exitspec.train.curve:run", DEFAULTS)
+    curve.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding log.jsonl")
+    curve.add_argument("--out", type=Path, default=Path("heldout-curve.png"), help="the plot (PNG)")
     return parser
 
 

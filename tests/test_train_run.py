@@ -314,6 +314,7 @@ def test_held_out_check_is_logged_every_n_steps(setup, tmp_path):
     top-1 accuracy per depth on them every N steps and at the end."""
     from tiny_models import save_word_tokenizer
 
+    from exitspec.train.curve import read_curve
     from exitspec.train.rollouts import load_rollouts
 
     save_tiny_llama(tmp_path / "target")
@@ -328,3 +329,9 @@ def test_held_out_check_is_logged_every_n_steps(setup, tmp_path):
     result = rows[-1]["heldout"]["held"]
     assert result["anchors"] > 0 and 1.0 <= result["tau"] <= 4.0 and len(result["acc_k"]) == 3
     assert [r.id for r in load_rollouts(tmp_path / "heldout" / "held")] == ["held/0", "held/1"]
+    curve = read_curve(setup / "eval")  # `exitspec train curve`: the same checks against tokens trained on
+    assert [p["step"] for p in curve] == [3, 5] and 0 < curve[0]["tokens"] < curve[1]["tokens"]
+    assert curve[1]["heldout"] == rows[-1]["heldout"]
+    assert main(["train", "curve", str(setup / "eval"), "--out", str(tmp_path / "curve.png")]) == 0
+    assert (tmp_path / "curve.png").stat().st_size > 0
+    assert main(["train", "curve", str(tmp_path)]) == 2  # no log.jsonl there: one line, exit code 2
