@@ -255,22 +255,29 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--rollouts", default="runs/rollouts", help="rollout folder")
 
-    g = p.add_argument_group("rollouts")
+    d = TrainConfig(rollouts="", run_dir="")
+    g = p.add_argument_group("rollouts: made once (--rollouts-only), or online as training reaches them (--online)")
     g.add_argument("--rollouts-only", action="store_true", help="make (or extend) the rollouts and exit")
+    g.add_argument("--online", type=integer(0), default=d.online, metavar="C",
+                   help="train online: the target answers chunks of C fresh prompts as training reaches them, stored "
+                        "in RUN_DIR/online (no --rollouts; 0: off)")
+    g.add_argument("--online-temperatures", type=real(), nargs="+", default=list(d.online_temperatures),
+                   help="with --online: chunk k is answered at the k-th of these, cycling (0: greedy)")
     g.add_argument("--data-dir", type=Path, help="default: $EXITSPEC_DATA, else shared/data next to the repo")
-    g.add_argument("--gsm8k", type=integer(-1), default=2000, help="GSM8K train prompts (-1: all 7473)")
-    g.add_argument("--sharegpt", type=integer(-1), default=2000, help="ShareGPT first-turn prompts (-1: all)")
-    g.add_argument("--code", type=integer(-1), default=0,
+    g.add_argument("--gsm8k", type=integer(-1), default=d.gsm8k, help="GSM8K train prompts (-1: all 7473)")
+    g.add_argument("--sharegpt", type=integer(-1), default=d.sharegpt, help="ShareGPT first-turn prompts (-1: all)")
+    g.add_argument("--code", type=integer(-1), default=d.code,
                    help="code-writing prompts from the Python standard library's docstrings (-1: all, about 2600)")
-    g.add_argument("--skip-prompts", type=integer(0), default=0,
+    g.add_argument("--skip-prompts", type=integer(0), default=d.skip_prompts,
                    help="start at this prompt of the interleaved list (say, T = 1 rollouts of other prompts than greedy's)")
-    g.add_argument("--loop-repeats", type=integer(0), default=3,
+    g.add_argument("--loop-repeats", type=integer(0), default=d.loop_repeats,
                    help="stop a response at the R-th back-to-back copy of a 4-64 token span, keeping R-1 (0: off)")
-    g.add_argument("--max-prompt-tokens", type=integer(1), default=512, help="skip longer prompts")
-    g.add_argument("--max-new-tokens", type=integer(1), default=256)
-    g.add_argument("--temperature", type=real(), default=0.0, help="0: greedy")
-    g.add_argument("--gen-batch-size", type=integer(1, 4096), default=64, help="prompts in flight at once (rows of the batch)")
-    g.add_argument("--shard-size", type=integer(1), default=64, help="prompts per JSONL shard")
+    g.add_argument("--max-prompt-tokens", type=integer(1), default=d.max_prompt_tokens, help="skip longer prompts")
+    g.add_argument("--max-new-tokens", type=integer(1), default=d.max_new_tokens)
+    g.add_argument("--temperature", type=real(), default=0.0, help="--rollouts-only: 0 is greedy")
+    g.add_argument("--gen-batch-size", type=integer(1, 4096), default=d.gen_batch_size,
+                   help="prompts in flight at once (rows of the batch)")
+    g.add_argument("--shard-size", type=integer(1), default=64, help="--rollouts-only: prompts per JSONL shard")
 
     f = p.add_argument_group("feature cache (the target's hidden states of every rollout, computed once)")
     f.add_argument("--features", metavar="DIR", help="train on the cached features in DIR instead of running the target")
@@ -280,7 +287,6 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
                    help="also cache the target's K most likely next tokens and their probabilities (for --loss kl)")
 
     t = p.add_argument_group("training")
-    d = TrainConfig(rollouts="", run_dir="")
     t.add_argument("--run-dir", default=f"runs/{command}", help="checkpoints, log, final drafter")
     t.add_argument("--init", help="start from this drafter checkpoint folder instead of a fresh drafter")
     t.add_argument("--stop-at", type=integer(1), help="stop at this step (with a checkpoint); a later run resumes")

@@ -335,3 +335,51 @@ def test_held_out_check_is_logged_every_n_steps(setup, tmp_path):
     assert main(["train", "curve", str(setup / "eval"), "--out", str(tmp_path / "curve.png")]) == 0
     assert (tmp_path / "curve.png").stat().st_size > 0
     assert main(["train", "curve", str(tmp_path)]) == 2  # no log.jsonl there: one line, exit code 2
+
+
+def test_online_training_answers_fresh_prompts_and_resumes_exactly(tmp_path):
+    """--online C: the target answers C prompts at a time as training reaches them, chunks alternating greedy
+    and T = 1, the prompt list wrapping around with a new sampling seed; a chunk is a function of its index
+    (remade identically), so a stopped and resumed run ends where an uninterrupted one does."""
+    import shutil
+
+    from tiny_models import save_word_tokenizer
+
+    from exitspec.train.rollouts import load_rollouts
+
+    save_tiny_llama(tmp_path / "target")
+    save_word_tokenizer(tmp_path / "target")
+    (tmp_path / "data" / "gsm8k").mkdir(parents=True)
+    questions = [f"w{i} w{i + 1} w{i + 2}" for i in range(4, 11)]  # 7 prompts
+    with (tmp_path / "data" / "gsm8k" / "train.jsonl").open("w") as f:
+        f.writelines(json.dumps({"question": q}) + "\n" for q in questions)
+    online = {"online": 4, "gsm8k": -1, "sharegpt": 0, "max_new_tokens": 6, "data_dir": str(tmp_path / "data"),
+              "target": str(tmp_path / "target"), "rollouts": str(tmp_path / "unused"), "batch_size": 2}
+    whole = train(config(tmp_path, "whole", **online), progress=False)  # 6 steps of 2: 3 chunks of 4 prompts
+    chunks = sorted((tmp_path / "whole" / "online").iterdir())
+    assert [c.name for c in chunks] == ["chunk-00000", "chunk-00001", "chunk-00002"]
+    ids = [[r.id.removeprefix("rank-0/gsm8k-train/") for r in load_rollouts(c)] for c in chunks]
+    assert ids == [["0", "1", "2", "3"], ["0@1", "4", "5", "6"], ["1@1", "2@1", "3@1", "4@1"]]  # the list wraps
+    temperatures = [json.loads((c / "rank-0" / "meta.json").read_text())["temperature"] for c in chunks]
+    assert temperatures == [0.0, 1.0, 0.0]
+    assert all(1 <= len(r.response_ids) <= 6 for c in chunks for r in load_rollouts(c))
+
+    split = config(tmp_path, "split", **online)
+    train(split, stop_at=3, progress=False)  # mid chunk 1
+    shutil.rmtree(tmp_path / "split" / "online" / "chunk-00001")  # lost: remade from its index alone
+    resumed = train(split, progress=False)
+    assert resumed.summary["step"] == 6
+    for a, b in zip(chunks, sorted((tmp_path / "split" / "online").iterdir()), strict=True):
+        assert load_rollouts(a) == load_rollouts(b)
+    for name, tensor in weights(tmp_path / "whole" / "final").items():
+        torch.testing.assert_close(weights(tmp_path / "split" / "final")[name], tensor, rtol=0, atol=0)
+    assert whole.summary["step"] == 6
+    with pytest.raises(ValueError, match="--online makes its rollouts"):
+        config(tmp_path, "bad", **online, features=str(tmp_path / "features"))
+    argv = ["--target", str(tmp_path / "target"), "--data-dir", str(tmp_path / "data"), "--gsm8k", "-1", "--sharegpt",
+            "0", "--max-new-tokens", "6", "--online", "4", "--online-temperatures", "1", "--run-dir",
+            str(tmp_path / "exit"), "--steps", "2", "--batch-size", "2", "--anchors", "2", "--block-size", "4",
+            "--budget", "4", "--no-progress", "--device", "cpu"]
+    assert main(["train", "exit", *argv]) == 0  # ExitTrain online (issue 19's setting), from the command line
+    meta = json.loads((tmp_path / "exit" / "online" / "chunk-00000" / "rank-0" / "meta.json").read_text())
+    assert meta["temperature"] == 1.0 and (tmp_path / "exit" / "final").is_dir()

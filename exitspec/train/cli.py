@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, fields
-from itertools import islice
 
 import torch
 from rich.console import Console
@@ -24,8 +23,6 @@ from exitspec.app import (
     resolve_device,
     resolve_dtype,
 )
-from exitspec.data import gsm8k_train, interleave, python_functions, sharegpt
-from exitspec.decode import encode_prompt
 from exitspec.drafters import drafter_folder, split_chain
 from exitspec.models import load_model_and_tokenizer, model_config, model_name
 from exitspec.train import dist
@@ -34,6 +31,7 @@ from exitspec.train.config import TrainConfig
 from exitspec.train.dflash_loss import DFlashObjective
 from exitspec.train.features import cache_features
 from exitspec.train.heldout import make_heldout
+from exitspec.train.online import training_prompts
 from exitspec.train.rollouts import (
     GenerationSettings,
     load_rollouts,
@@ -143,13 +141,8 @@ def run_rollouts(args, dtype: str) -> int:
     model, tokenizer = load_model_and_tokenizer(args.model, resolve_device(args.device), getattr(torch, dtype))
     if tokenizer is None:
         raise ValueError("rollouts from text prompts need a tokenizer, and the target folder has none")
-    sources = []
-    if args.gsm8k:
-        sources.append(encode(gsm8k_train(args.data_dir), tokenizer, args.gsm8k, args.max_prompt_tokens))
-    if args.sharegpt:
-        sources.append(encode(sharegpt(), tokenizer, args.sharegpt, args.max_prompt_tokens))
-    if args.code:
-        sources.append(encode(python_functions(), tokenizer, args.code, args.max_prompt_tokens))
+    prompts = training_prompts(tokenizer, args.gsm8k, args.sharegpt, args.code, args.skip_prompts,
+                               args.max_prompt_tokens, args.data_dir)
     settings = GenerationSettings(
         model=model_name(args.model),
         max_new_tokens=args.max_new_tokens,
@@ -157,7 +150,6 @@ def run_rollouts(args, dtype: str) -> int:
         seed=args.seed,
         loop_repeats=args.loop_repeats,
     )
-    prompts = interleave(*sources)[args.skip_prompts :]
     n = make_rollouts(model, prompts, args.rollouts, settings, *stop_and_pad(model, tokenizer), args.gen_batch_size,
                       args.shard_size, progress=not args.no_progress)
     total = summarize_rollouts(args.rollouts)
@@ -165,9 +157,3 @@ def run_rollouts(args, dtype: str) -> int:
           f"response tokens, {total['looped']} stopped in a repetition loop (cutting at most "
           f"{total['loop_tokens_cut']} loop tokens)")
     return 0
-
-
-def encode(prompts, tokenizer, limit: int, max_tokens: int) -> list[tuple[str, list[int]]]:
-    """(id, chat-template ids) of the first `limit` prompts (-1: all) of at most `max_tokens` tokens."""
-    fitting = ((p.id, ids) for p in prompts if len(ids := encode_prompt(tokenizer, p.text)) <= max_tokens)
-    return list(fitting if limit < 0 else islice(fitting, limit))

@@ -66,6 +66,17 @@ class TrainConfig:
     eval_datasets: tuple[str, ...] = BENCHMARKS
     eval_prompts: int = 20  # prompts per held-out dataset
     data_dir: str | None = None  # GSM8K / MATH-500 folder (None: $EXITSPEC_DATA, else shared/data)
+    # rollouts: made by --rollouts-only, or (online > 0) by the target as training reaches them (online.py)
+    online: int = 0  # > 0: online training, the target answering chunks of this many fresh prompts
+    online_temperatures: tuple[float, ...] = (0.0, 1.0)  # chunk k is answered at temperatures[k mod n]
+    gsm8k: int = 2000  # training prompts from each source (-1: all), interleaved (online.training_prompts)
+    sharegpt: int = 2000
+    code: int = 0
+    skip_prompts: int = 0
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 256
+    loop_repeats: int = 3  # stop a response at the R-th back-to-back copy of a span (rollouts.py; 0: off)
+    gen_batch_size: int = 64  # responses in flight at once
     exit_weight: str = "none"  # exit loss (exit_loss.py): exit | prefix | none (plain DFlash)
     lam: float = 0.0  # λ in L_tok + λ·L_exit
     budget: int = 32  # DDTree budget of the exit loss's trees
@@ -79,6 +90,11 @@ class TrainConfig:
             raise ValueError(f"{', '.join(small)} must be >= 1")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.online and (self.features or self.loss != "ce"):
+            raise ValueError("--online makes its rollouts as it trains: it reads no --features cache, so it trains "
+                             "with --loss ce")
+        if self.online and (not self.online_temperatures or min(self.online_temperatures) < 0):
+            raise ValueError(f"--online-temperatures must be >= 0, got {self.online_temperatures}")
         if self.loss != "ce" and not self.features:
             raise ValueError(f"--loss {self.loss} needs --features DIR, a cache made with --topk K > 0")
         if self.dtype not in ("float32", "bfloat16"):

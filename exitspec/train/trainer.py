@@ -10,6 +10,7 @@ A run folder holds
     log.jsonl             one line of metrics per log interval
     final/                the trained drafter (DFlashModel.save_pretrained), when the last step is done
     summary.json          the final metrics
+    online/chunk-*/       with --online: the rollouts the target made as training reached them (online.py)
 
 Resuming is exact: weights, AdamW state, RNG states and the data position come back, so a run stopped at step
 k and resumed ends bit-for-bit where an uninterrupted run does.
@@ -39,12 +40,16 @@ from exitspec.train.dflash_loss import BlockLoss, DFlashObjective, sample_anchor
 from exitspec.train.exit_loss import ExitLoss, train_loss
 from exitspec.train.features import FeatureStore
 from exitspec.train.heldout import HELDOUT_TOKENS, GreedyCheck, make_heldout
-from exitspec.train.rollouts import Rollout, end_tokens, load_rollouts
+from exitspec.train.online import OnlineData, training_prompts
+from exitspec.train.rollouts import GenerationSettings, Rollout, end_tokens, load_rollouts
 
 BETAS = (0.9, 0.95)
 # config fields a resumed run may change (the data itself is checked by its size)
 RESUMABLE_CHANGES = {"run_dir", "rollouts", "steps", "save_every", "log_every", "keep", "init", "features",
-                     "eval_every", "eval_dir", "eval_datasets", "eval_prompts", "data_dir"}
+                     "eval_every", "eval_dir", "eval_datasets", "eval_prompts", "data_dir", "gen_batch_size"}
+# the prompt stream's fields: free to change unless the run trains online
+ONLINE_FIELDS = {"online_temperatures", "gsm8k", "sharegpt", "code", "skip_prompts", "max_prompt_tokens",
+                 "max_new_tokens", "loop_repeats"}
 
 
 @dataclass
@@ -181,7 +186,7 @@ def train(
     target, tokenizer = load_model_and_tokenizer(cfg.target, d.device, getattr(torch, cfg.dtype))
     drafter = make_drafter(cfg, target).to(d.device).train()
     optimizer = make_optimizer(drafter, cfg)
-    data = RolloutData(load_rollouts(cfg.rollouts), cfg.max_len, cfg.seed, step_size=d.world * cfg.batch_size)
+    data = make_data(cfg, target, tokenizer, d, progress)
     if cfg.draft_vocab:
         apply_draft_vocab(drafter, cfg.draft_vocab, data, target)
     objective = DFlashObjective(
@@ -220,8 +225,10 @@ def train(
     log = _open_log(run_dir / "log.jsonl", step) if d.main else None
     if d.main:
         where = f"resuming {resumed} at step {step}" if resumed else "starting"
+        what = (f"{len(data)} prompts answered online, {cfg.online} at a time" if cfg.online
+                else f"{len(data)} sequences ({data.dropped} too short dropped)")
         tqdm.write(
-            f"{where}: {len(data)} sequences ({data.dropped} too short dropped), drafter "
+            f"{where}: {what}, drafter "
             f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {d.world} process(es) on {d.device}"
         )
 
@@ -284,6 +291,19 @@ def train(
     return TrainResult(drafter, summary)
 
 
+def make_data(cfg: TrainConfig, target, tokenizer, d: dist.Dist, progress: bool) -> RolloutData | OnlineData:
+    """The training stream: the rollout folder, or (cfg.online) the target's answers as training reaches them."""
+    if not cfg.online:
+        return RolloutData(load_rollouts(cfg.rollouts), cfg.max_len, cfg.seed, step_size=d.world * cfg.batch_size)
+    if tokenizer is None:
+        raise ValueError("--online answers text prompts, so the target folder needs a tokenizer, and it has none")
+    prompts = training_prompts(tokenizer, cfg.gsm8k, cfg.sharegpt, cfg.code, cfg.skip_prompts, cfg.max_prompt_tokens,
+                               cfg.data_dir)
+    settings = GenerationSettings(model_name(cfg.target), cfg.max_new_tokens, 0.0, cfg.seed, cfg.loop_repeats)
+    return OnlineData(target, tokenizer, prompts, Path(cfg.run_dir) / "online", settings, cfg.online_temperatures,
+                      cfg.online, cfg.max_len, cfg.seed, cfg.gen_batch_size, d, cfg.batch_size, progress and d.main)
+
+
 def make_drafter(cfg: TrainConfig, target) -> DFlashModel:
     """A fresh drafter for the target, or the --init checkpoint, checked against the target either way."""
     tc = target.config.get_text_config()
@@ -299,7 +319,7 @@ def make_drafter(cfg: TrainConfig, target) -> DFlashModel:
     return drafter
 
 
-def apply_draft_vocab(drafter: DFlashModel, size: int, data: RolloutData, target) -> None:
+def apply_draft_vocab(drafter: DFlashModel, size: int, data: RolloutData | OnlineData, target) -> None:
     """Gives a drafter without a draft vocabulary the `size` tokens most frequent in the training sequences
     (vocab.frequent_tokens); a drafter that has one (from --init) must have this size."""
     if drafter.draft_vocab is not None:
@@ -342,6 +362,7 @@ def _check_resumable(state: dict, cfg: TrainConfig, sequences: int, path: Path) 
     was = ExitConfig(saved.get("exit_weight", defaults["exit_weight"]), saved.get("lam", defaults["lam"]))
     exit_fields = {mine for mine, _ in EXIT_FIELDS}  # inert, so free to differ, while no run uses the exit loss
     free = RESUMABLE_CHANGES | (exit_fields if not (was.active or cfg.exit_config().active) else set())
+    free |= ONLINE_FIELDS if not (saved.get("online") or cfg.online) else set()
     changed = sorted(k for k, v in current.items() if k not in free and saved.get(k, defaults[k]) != v)
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
