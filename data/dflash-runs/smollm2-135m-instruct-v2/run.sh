@@ -7,6 +7,7 @@
 #   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh features   # the target's features + top-32, once
 #   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh ce|kl      # the matched-compute pair of runs
 #   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh curve      # their held-out curves, plot and table
+#   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh long       # the better loss, on all rollouts, long
 #
 # Rollouts are committed (data/rollouts/...); features and checkpoints live in runs/ (remade from the
 # rollouts by this script). Run from the repository root.
@@ -19,7 +20,7 @@ GEN="--max-new-tokens 256 --gen-batch-size 128 --shard-size 128 --threads 2"
 DRAFTER="--target-layers $LAYERS --num-layers 1 --block-size 8 --gamma 4 --context-window 128 --draft-vocab 16384"
 TRAIN="--batch-size 4 --anchors 64 --lr 1e-3 --warmup 100 --save-every 100 --log-every 10 --keep 2 --eval-every 250"
 
-case "${1:?stage: greedy | t1 | features | ce | kl | curve}" in
+case "${1:?stage: greedy | t1 | features | ce | kl | long | curve}" in
   greedy)  # 2000 prompts each of GSM8K train, ShareGPT first turns and stdlib code prompts, interleaved
     exitspec train dflash --rollouts-only --rollouts $R/greedy --gsm8k 2000 --sharegpt 2000 --code 2000 \
       --temperature 0 $GEN ;;
@@ -29,11 +30,15 @@ case "${1:?stage: greedy | t1 | features | ce | kl | curve}" in
   features)
     exitspec train dflash --features-only --features $F --topk 32 --rollouts $R --target-layers $LAYERS \
       --threads 2 ;;
-  ce|kl)  # the matched pair on the greedy rollouts: the same drafter, data order, seeds and steps; only the
-           # block loss differs. Session 26 ran both side by side, one thread each: THREADS=1 run.sh ce & ...
-    exitspec train dflash --rollouts $R/greedy --features $F --run-dir runs/dflash-v2-$1 --loss $1 $DRAFTER \
+  ce|kl)  # the matched pair: the same drafter, data order, seeds and steps; only the block loss differs.
+           # Session 26 ran both side by side, one thread each (THREADS=1), when $R held greedy/ alone.
+    exitspec train dflash --rollouts $R --features $F --run-dir runs/dflash-v2-$1 --loss $1 $DRAFTER \
       $TRAIN --steps "${STEPS:-1000}" --threads "${THREADS:-2}" --no-progress ;;
+  long)  # the drafter to ship: kl (the pair's better loss at T = 1, tied at T = 0) on every rollout, greedy and
+         # T = 1, trained long; DRAFT_LAYERS=2 for the capacity run. Rerun to resume.
+    exitspec train dflash --rollouts $R --features $F --run-dir runs/dflash-v2-long-${DRAFT_LAYERS:-1}l --loss kl \
+      $DRAFTER --num-layers "${DRAFT_LAYERS:-1}" $TRAIN --steps "${STEPS:-12000}" --threads 2 --no-progress ;;
   curve)
-    exitspec train curve runs/dflash-v2-ce runs/dflash-v2-kl --out data/dflash-runs/smollm2-135m-instruct-v2/ce-vs-kl.png ;;
+    exitspec train curve runs/dflash-v2-ce runs/dflash-v2-kl --out data/dflash-runs/smollm2-135m-instruct-v2/ce-vs-kl/curve.png ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
