@@ -10,7 +10,7 @@ starts over, each prompt sampled with a new seed per pass.
 
 Everything is a function of the data position (the sequences the run has consumed): chunk k's prompts,
 its sampling seed (generate.py: per prompt id) and its order. A resumed run therefore sees exactly the data
-an uninterrupted one does, and a chunk left half made by a killed run is finished, not redrawn. Under torchrun
+an uninterrupted one does, and a chunk a killed run left unfinished is made again, identically. Under torchrun
 rank r answers the chunk's prompts r, r + world, ... in its own folder and every rank reads them all.
 """
 
