@@ -18,8 +18,7 @@ from exitspec.target import TargetModel
 from exitspec.train.acceptance import measure_acceptance
 from exitspec.train.dflash_loss import DFlashObjective
 from exitspec.train.heldout import GreedyCheck
-from exitspec.train.rollouts import Rollout
-from exitspec.train.trainer import RolloutData
+from exitspec.train.rollouts import Rollout, RolloutData
 
 VOCAB, BLOCK, BUDGET = 32, 4, 6
 

@@ -17,8 +17,8 @@ from tiny_models import save_tiny_llama
 from exitspec.cli import main
 from exitspec.train import dist
 from exitspec.train.config import TrainConfig
-from exitspec.train.rollouts import Rollout
-from exitspec.train.trainer import RolloutData, make_drafter, train
+from exitspec.train.rollouts import Rollout, RolloutData
+from exitspec.train.trainer import make_drafter, train
 
 
 @pytest.fixture(scope="module")

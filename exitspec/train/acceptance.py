@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.train.dflash_loss import DFlashObjective, sample_anchors, target_features
-from exitspec.train.trainer import RolloutData
+from exitspec.train.rollouts import RolloutData
 from exitspec.train.tree_eval import build_anchor_trees, tree_logits
 
 

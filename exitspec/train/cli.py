@@ -34,12 +34,13 @@ from exitspec.train.heldout import make_heldout
 from exitspec.train.online import training_prompts
 from exitspec.train.rollouts import (
     GenerationSettings,
+    RolloutData,
     load_rollouts,
     make_rollouts,
     stop_and_pad,
     summarize_rollouts,
 )
-from exitspec.train.trainer import RolloutData, make_drafter, train
+from exitspec.train.trainer import make_drafter, train
 
 
 def run_train(args) -> int:

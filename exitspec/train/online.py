@@ -26,7 +26,7 @@ from torch import Tensor
 from exitspec.data import gsm8k_train, interleave, python_functions, sharegpt
 from exitspec.decode import encode_prompt
 from exitspec.train import dist
-from exitspec.train.rollouts import GenerationSettings, load_rollouts, make_rollouts, stop_and_pad
+from exitspec.train.rollouts import GenerationSettings, RolloutData, load_rollouts, make_rollouts, stop_and_pad
 
 
 def training_prompts(
@@ -65,7 +65,7 @@ class OnlineData:
         self.step_size, self.gen_batch_size, self.d, self.progress = step_size, gen_batch_size, d, progress
         self.positions = chunk // step_size * step_size  # stream positions per chunk, whole steps only
         self.stop_and_pad = stop_and_pad(target, tokenizer)
-        self._current: tuple[int, object] | None = None  # (chunk index, its RolloutData)
+        self._current: tuple[int, RolloutData] | None = None  # (chunk index, its RolloutData)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -77,10 +77,8 @@ class OnlineData:
         pid, ids = self.prompts[i]
         return (f"{pid}@{passes}" if passes else pid), ids
 
-    def chunk_data(self, k: int):
+    def chunk_data(self, k: int) -> RolloutData:
         """Chunk k's RolloutData, made (generated and stored) first if need be."""
-        from exitspec.train.trainer import RolloutData  # the trainer imports this module
-
         if self._current is None or self._current[0] != k:
             folder = self.folder / f"chunk-{k:05d}"
             ids = [self.prompt(g) for g in range(k * self.chunk, (k + 1) * self.chunk)]
@@ -93,7 +91,7 @@ class OnlineData:
             self._current = (k, data)
         return self._current[1]
 
-    def _locate(self, position: int) -> tuple[object, int]:
+    def _locate(self, position: int) -> tuple[RolloutData, int]:
         k, offset = divmod(position, self.positions)
         return self.chunk_data(k), offset
 

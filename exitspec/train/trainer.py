@@ -41,7 +41,7 @@ from exitspec.train.exit_loss import ExitLoss, train_loss
 from exitspec.train.features import FeatureStore
 from exitspec.train.heldout import HELDOUT_TOKENS, GreedyCheck, make_heldout
 from exitspec.train.online import OnlineData, training_prompts
-from exitspec.train.rollouts import GenerationSettings, Rollout, end_tokens, load_rollouts
+from exitspec.train.rollouts import GenerationSettings, RolloutData, end_tokens, load_rollouts
 
 BETAS = (0.9, 0.95)
 # config fields a resumed run may change (the data itself is checked by its size)
@@ -56,66 +56,6 @@ ONLINE_FIELDS = {"online_temperatures", "gsm8k", "sharegpt", "code", "skip_promp
 class TrainResult:
     drafter: DFlashModel  # the trained drafter (unwrapped), on the training device
     summary: dict
-
-
-class RolloutData:
-    """Training sequences (prompt + response, cut to max_len) dealt out in a seeded, length-bucketed order.
-
-    The data is one endless stream: position g is sequence order_e[g mod N] of epoch e = g // N. order_e is a
-    permutation seeded by (seed, e), cut into buckets of `bucket_steps` global batches (`step_size` positions
-    each); a bucket is sorted by length, split back into batches and those are shuffled. So one step's
-    sequences have similar lengths (little padding), while the batches still come in random order. A step
-    consumes `step_size` = world × batch_size positions, process r taking the r-th slice, so the data
-    position of a run is a single integer.
-    """
-
-    def __init__(self, rollouts: list[Rollout], max_len: int, seed: int, step_size: int = 1, bucket_steps: int = 16):
-        kept = [r for r in rollouts if len(r.prompt_ids) + 2 <= min(max_len, len(r.prompt_ids) + len(r.response_ids))]
-        self.seqs = [((r.prompt_ids + r.response_ids)[:max_len], len(r.prompt_ids)) for r in kept]
-        self.keys = [r.id for r in kept]  # rollout ids, aligned with seqs
-        self.dropped = len(rollouts) - len(self.seqs)
-        if not self.seqs:
-            raise ValueError("no rollout has a response of two tokens or more within max_len")
-        self.seed, self.step_size, self.bucket_steps = seed, step_size, bucket_steps
-        self.lengths = torch.tensor([len(ids) for ids, _ in self.seqs])  # [N]
-        self._order: tuple[int, Tensor] | None = None
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def epoch_order(self, epoch: int) -> Tensor:
-        """[N] sequence indices of epoch `epoch` in stream order."""
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        perm = torch.randperm(len(self), generator=gen)
-        batches = []
-        for bucket in perm.split(self.step_size * self.bucket_steps):
-            by_length = bucket[self.lengths[bucket].argsort(stable=True)]
-            batches += by_length.split(self.step_size)
-        return torch.cat([batches[i] for i in torch.randperm(len(batches), generator=gen)])
-
-    def indices(self, position: int, count: int) -> list[int]:
-        """Sequence indices at stream positions position .. position+count−1."""
-        out = []
-        for g in range(position, position + count):
-            epoch = g // len(self)
-            if self._order is None or self._order[0] != epoch:
-                self._order = (epoch, self.epoch_order(epoch))
-            out.append(int(self._order[1][g % len(self)]))
-        return out
-
-    def keys_at(self, position: int, rank: int, batch_size: int) -> list[str]:
-        """The rollout ids of `batch`'s rows, in its order."""
-        return [self.keys[i] for i in self.indices(position + rank * batch_size, batch_size)]
-
-    def batch(self, position: int, rank: int, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Process `rank`'s share of the step at `position`: ids [B, L] right-padded with 0, starts [B] (first
-        response token), lengths [B]."""
-        seqs = [self.seqs[i] for i in self.indices(position + rank * batch_size, batch_size)]
-        lengths = torch.tensor([len(ids) for ids, _ in seqs])
-        ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
-        for row, (seq, _) in enumerate(seqs):
-            ids[row, : len(seq)] = torch.tensor(seq)
-        return ids, torch.tensor([s for _, s in seqs]), lengths
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
