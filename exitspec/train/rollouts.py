@@ -138,15 +138,16 @@ def summarize_rollouts(folder: str | Path) -> dict:
     `loop_tokens_cut`: what those would have added had they run to max_new_tokens (an upper bound on the
     tokens the loop cut removed; a small model's loops mostly do run to the cap)."""
     counts = {"rollouts": 0, "response_tokens": 0, "looped": 0, "loop_tokens_cut": 0}
-    for shard in Path(folder).rglob(SHARD_GLOB):
-        cap = json.loads((shard.parent / META_NAME).read_text())["max_new_tokens"]
-        with shard.open(encoding="utf-8") as f:
-            for line in f:
-                r = json.loads(line)
-                counts["rollouts"] += 1
-                counts["response_tokens"] += len(r["response_ids"])
-                counts["looped"] += bool(r.get("looped"))
-                counts["loop_tokens_cut"] += cap - len(r["response_ids"]) if r.get("looped") else 0
+    for meta in Path(folder).rglob(META_NAME):  # one rollout folder each, with its own cap
+        cap = json.loads(meta.read_text())["max_new_tokens"]
+        for shard in meta.parent.glob(SHARD_GLOB):
+            with shard.open(encoding="utf-8") as f:
+                for line in f:
+                    r = json.loads(line)
+                    counts["rollouts"] += 1
+                    counts["response_tokens"] += len(r["response_ids"])
+                    counts["looped"] += bool(r.get("looped"))
+                    counts["loop_tokens_cut"] += cap - len(r["response_ids"]) if r.get("looped") else 0
     return counts
 
 

@@ -35,9 +35,11 @@ case "${1:?stage: greedy | t1 | features | ce | kl | long | curve}" in
     exitspec train dflash --rollouts $R --features $F --run-dir runs/dflash-v2-$1 --loss $1 $DRAFTER \
       $TRAIN --steps "${STEPS:-1000}" --threads "${THREADS:-2}" --no-progress ;;
   long)  # the drafter to ship: kl (the pair's better loss at T = 1, tied at T = 0) on every rollout, greedy and
-         # T = 1, trained long; DRAFT_LAYERS=2 for the capacity run. Rerun to resume.
+         # T = 1, trained long. Session 27 runs the capacity pair side by side, one thread each:
+         # THREADS=1 DRAFT_LAYERS=1 and THREADS=1 DRAFT_LAYERS=2 (same data order and seeds). Rerun to resume.
     exitspec train dflash --rollouts $R --features $F --run-dir runs/dflash-v2-long-${DRAFT_LAYERS:-1}l --loss kl \
-      $DRAFTER --num-layers "${DRAFT_LAYERS:-1}" $TRAIN --steps "${STEPS:-12000}" --threads 2 --no-progress ;;
+      $DRAFTER --num-layers "${DRAFT_LAYERS:-1}" $TRAIN --steps "${STEPS:-12000}" --threads "${THREADS:-2}" \
+      --no-progress ;;
   curve)
     exitspec train curve runs/dflash-v2-ce runs/dflash-v2-kl --out data/dflash-runs/smollm2-135m-instruct-v2/ce-vs-kl/curve.png ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
