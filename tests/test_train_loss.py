@@ -185,11 +185,11 @@ def test_soft_cross_entropy_is_the_partition_cross_entropy():
     target = torch.softmax(torch.randn(2, 5, 7, generator=g), dim=-1)  # [B, L, V]: p at every position
     positions = torch.randint(0, 5, (2, 3, 4), generator=g)  # [B, N, S]
     p_full, i_full = target.topk(7, dim=-1)
-    got = soft_cross_entropy(logits, p_full, i_full, positions)
+    got = soft_cross_entropy(logits.log_softmax(-1), p_full, i_full, positions)
     p_at = target.gather(1, positions.flatten(1)[..., None].expand(-1, -1, 7)).view(2, 3, 4, 7)
     torch.testing.assert_close(got, -(p_at * logits.log_softmax(-1)).sum(-1))
     p2, i2 = target.topk(2, dim=-1)  # the rest lumped: −Σ p_i log q_i − r log(1 − Σ q_i) over the top 2
-    got2 = soft_cross_entropy(logits, p2, i2, positions)
+    got2 = soft_cross_entropy(logits.log_softmax(-1), p2, i2, positions)
     q = logits.softmax(-1)
     top = i2.gather(1, positions.flatten(1)[..., None].expand(-1, -1, 2)).view(2, 3, 4, 2)
     pp = p2.gather(1, positions.flatten(1)[..., None].expand(-1, -1, 2)).view(2, 3, 4, 2)
@@ -198,4 +198,4 @@ def test_soft_cross_entropy_is_the_partition_cross_entropy():
     torch.testing.assert_close(got2, expected)
     one_hot = torch.ones(2, 5, 1)  # p = 1 on token 3 everywhere: the plain cross-entropy
     ce = -logits.log_softmax(-1)[..., 3]
-    torch.testing.assert_close(soft_cross_entropy(logits, one_hot, torch.full((2, 5, 1), 3), positions), ce)
+    torch.testing.assert_close(soft_cross_entropy(logits.log_softmax(-1), one_hot, torch.full((2, 5, 1), 3), positions), ce)

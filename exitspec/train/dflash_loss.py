@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
@@ -162,8 +161,9 @@ class DFlashObjective(nn.Module):
         logits = self.draft_logits(ids, features, anchors)  # [B, N, bs−1, Vd]
         targets, valid = self.slot_targets(ids, lengths, anchors, keep)  # [B, N, bs−1] each
         columns = self.head.columns(targets)  # [B, N, bs−1]: −1 where the token is outside the draft vocabulary
-        ce = F.cross_entropy(logits.flatten(0, 2), columns.flatten(), ignore_index=-1, reduction="none")
-        ce = ce.view_as(targets)  # 0 at a token the drafter cannot propose: such a slot only counts as wrong
+        log_q = logits.log_softmax(dim=-1)  # [B, N, bs−1, Vd], once for ce and kl alike
+        ce = -log_q.gather(-1, columns.clamp(min=0)[..., None]).squeeze(-1) * (columns >= 0)  # [B, N, bs−1]
+        # 0 at a token the drafter cannot propose: such a slot only counts as wrong
         weights = valid * (columns >= 0) * position_weights(bs, self.gamma, ids.device)  # [B, N, bs−1]
         per_slot = ce
         if self.loss != "ce":
@@ -172,25 +172,25 @@ class DFlashObjective(nn.Module):
             top_probs, top_ids = soft
             where = (anchors[..., None] + torch.arange(bs - 1, device=ids.device)).clamp(max=ids.shape[1] - 1)
             # [B, N, bs−1]: slot k reads the target's p at position a + k − 1, the one that predicts x_{a+k}
-            kl = soft_cross_entropy(logits, top_probs, self.head.columns(top_ids.long()), where)  # [B, N, bs−1]
+            kl = soft_cross_entropy(log_q, top_probs, self.head.columns(top_ids.long()), where)  # [B, N, bs−1]
             per_slot = kl if self.loss == "kl" else ce + kl
         loss = (per_slot * weights).sum() / weights.sum().clamp(min=1e-12)
         correct = (logits.argmax(dim=-1) == columns) & valid
         return BlockLoss(loss, ce, weights, correct, logits)
 
 
-def soft_cross_entropy(logits: Tensor, top_probs: Tensor, top_columns: Tensor, positions: Tensor) -> Tensor:
-    """H(p, q) on the partition {top-k tokens, the rest}: logits [B, N, S, Vd] of the draft q; top_probs /
+def soft_cross_entropy(log_q: Tensor, top_probs: Tensor, top_columns: Tensor, positions: Tensor) -> Tensor:
+    """H(p, q) on the partition {top-k tokens, the rest}: log_q [B, N, S, Vd], the draft's log-probabilities; top_probs /
     top_columns [B, L, k] of the target's p at every position (a token's column in the draft logits, −1 for one
     outside the draft vocabulary: its mass joins the rest); positions [B, N, S]: where each slot's p is read.
     Returns [B, N, S]."""
-    b, n, s, _ = logits.shape
+    b, n, s, _ = log_q.shape
     k = top_probs.shape[-1]
     where = positions.flatten(1)[..., None].expand(-1, -1, k)  # [B, N·S, k]
     idx = top_columns.gather(1, where).view(b, n, s, k)  # [B, N, S, k]
     inside = idx >= 0
     p = top_probs.gather(1, where).view(b, n, s, k).float() * inside  # [B, N, S, k]
-    log_q = logits.float().log_softmax(dim=-1).gather(-1, idx.clamp(min=0))  # [B, N, S, k]; read where inside
+    log_q_top = log_q.gather(-1, idx.clamp(min=0))  # [B, N, S, k]; read where inside
     rest_p = (1.0 - p.sum(dim=-1)).clamp(min=0.0)  # [B, N, S]
-    rest_log_q = torch.log1p(-(log_q.exp() * inside).sum(dim=-1).clamp(max=1.0 - 1e-6))  # log(1 − Σ_top q)
-    return -(p * log_q).sum(dim=-1) - rest_p * rest_log_q
+    rest_log_q = torch.log1p(-(log_q_top.exp() * inside).sum(dim=-1).clamp(max=1.0 - 1e-6))  # log(1 − Σ_top q)
+    return -(p * log_q_top).sum(dim=-1) - rest_p * rest_log_q
