@@ -141,9 +141,10 @@ class WarpedRows:
         unique, inverse = torch.unique(rows, return_inverse=True)  # [P], [n]
         if params.greedy or params.top_k or params.top_p < 1.0:
             return self.rows(unique.tolist())[inverse, tokens]
-        scaled = self.logits[unique].float() / params.temperature  # [P, V]
-        check_logits(scaled)
+        scaled = self.logits[unique].float().div_(params.temperature)  # [P, V], a fresh copy (advanced indexing)
         log_norm = torch.logsumexp(scaled, dim=-1)  # [P]
+        if not bool(torch.isfinite(log_norm).all()):  # NaN, +inf and all −inf rows, with no pass of their own
+            check_logits(scaled)
         return torch.exp(scaled[inverse, tokens] - log_norm[inverse])
 
     def all(self) -> Tensor:

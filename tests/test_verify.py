@@ -76,6 +76,16 @@ def test_parent_rows_give_the_full_flow(params):
         assert set(rows._rows) <= set(tree.parents[1:].tolist())  # no leaf row was warped
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_parent_rows_refuse_a_bad_parent_row(bad):
+    """The lean edge path checks its rows through the log-normaliser: NaN or +inf in a parent's row is refused."""
+    tree, _ = law_case(3, SamplingParams(1.0), vocab=40)
+    logits = torch.randn(tree.size, 40)
+    logits[int(tree.parents[1]), 7] = bad
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        parent_row_flow(tree, WarpedRows(logits, SamplingParams(1.0)))
+
+
 def test_sequential_law_does_not_depend_on_child_order():
     tree, probs = law_case(12, LAW_PARAMS[0])
 
