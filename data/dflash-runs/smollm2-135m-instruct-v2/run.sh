@@ -8,6 +8,7 @@
 #   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh ce|kl      # the matched-compute pair of runs
 #   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh curve      # their held-out curves, plot and table
 #   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh long       # the better loss, on all rollouts, long
+#   bash data/dflash-runs/smollm2-135m-instruct-v2/run.sh curve-long # the long runs' held-out curves
 #
 # Rollouts are committed (data/rollouts/...); features and checkpoints live in runs/ (remade from the
 # rollouts by this script). Run from the repository root.
@@ -20,7 +21,7 @@ GEN="--max-new-tokens 256 --gen-batch-size 128 --shard-size 128 --threads 2"
 DRAFTER="--target-layers $LAYERS --num-layers 1 --block-size 8 --gamma 4 --context-window 128 --draft-vocab 16384"
 TRAIN="--batch-size 4 --anchors 64 --lr 1e-3 --warmup 100 --save-every 100 --log-every 10 --keep 2 --eval-every 250"
 
-case "${1:?stage: greedy | t1 | features | ce | kl | long | curve}" in
+case "${1:?stage: greedy | t1 | features | ce | kl | long | curve | curve-long}" in
   greedy)  # 2000 prompts each of GSM8K train, ShareGPT first turns and stdlib code prompts, interleaved
     exitspec train dflash --rollouts-only --rollouts $R/greedy --gsm8k 2000 --sharegpt 2000 --code 2000 \
       --temperature 0 $GEN ;;
@@ -42,5 +43,7 @@ case "${1:?stage: greedy | t1 | features | ce | kl | long | curve}" in
       --no-progress ;;
   curve)
     exitspec train curve runs/dflash-v2-ce runs/dflash-v2-kl --out data/dflash-runs/smollm2-135m-instruct-v2/ce-vs-kl/curve.png ;;
+  curve-long)
+    exitspec train curve runs/dflash-v2-long-1l runs/dflash-v2-long-2l --out data/dflash-runs/smollm2-135m-instruct-v2/long/curve.png ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
