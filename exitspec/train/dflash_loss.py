@@ -161,10 +161,10 @@ class DFlashObjective(nn.Module):
         logits = self.draft_logits(ids, features, anchors)  # [B, N, bs−1, Vd]
         targets, valid = self.slot_targets(ids, lengths, anchors, keep)  # [B, N, bs−1] each
         columns = self.head.columns(targets)  # [B, N, bs−1]: −1 where the token is outside the draft vocabulary
+        inside = columns >= 0  # a token the drafter cannot propose gets no loss: its slot only counts as wrong
         log_q = logits.log_softmax(dim=-1)  # [B, N, bs−1, Vd], once for ce and kl alike
-        ce = -log_q.gather(-1, columns.clamp(min=0)[..., None]).squeeze(-1) * (columns >= 0)  # [B, N, bs−1]
-        # 0 at a token the drafter cannot propose: such a slot only counts as wrong
-        weights = valid * (columns >= 0) * position_weights(bs, self.gamma, ids.device)  # [B, N, bs−1]
+        ce = -log_q.gather(-1, columns.clamp(min=0)[..., None]).squeeze(-1) * inside  # [B, N, bs−1]
+        weights = valid * inside * position_weights(bs, self.gamma, ids.device)  # [B, N, bs−1]
         per_slot = ce
         if self.loss != "ce":
             if soft is None:

@@ -12,9 +12,10 @@ import statistics
 
 import torch
 
-from exitspec.app import load_decoders
+from exitspec.app import load_decoders, setup_cpu
 from exitspec.data import load_dataset
 
+setup_cpu()  # MKL's AVX2 path on AMD, as the `exitspec` command does: timings as users see them
 parser = argparse.ArgumentParser()
 parser.add_argument("drafters", nargs="+")
 parser.add_argument("--threads", type=int, default=2)
