@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -65,9 +66,7 @@ def cache_features(
         for batch in _chunks(todo[i : i + shard_size], batch_size):
             seqs = [r.prompt_ids + r.response_ids for r in batch]
             lengths = torch.tensor([len(s) for s in seqs], device=device)  # [B]
-            ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long, device=device)  # [B, L] right-padded
-            for row, seq in enumerate(seqs):
-                ids[row, : len(seq)] = torch.tensor(seq, device=device)
+            ids = pad_sequence([torch.tensor(s, device=device) for s in seqs], batch_first=True)  # [B, L] right-padded
             if topk:  # one whole forward gives both
                 features, logits = features_and_logits(target, ids, lengths, layer_ids)  # [B, L, F], [B, L, V]
                 top = top_probs(logits, topk)  # ([B, L, k], [B, L, k])
@@ -143,10 +142,7 @@ class FeatureStore:
         for key, length in zip(keys, lengths.tolist(), strict=True):
             with safe_open(self.index[key], framework="pt") as f:
                 rows.append(f.get_slice(key + suffix)[:length])  # [length, ...], only these rows read from disk
-        out = torch.zeros(len(rows), int(lengths.max()), *rows[0].shape[1:], dtype=dtype)
-        for i, row in enumerate(rows):
-            out[i, : row.shape[0]] = row
-        return out
+        return pad_sequence(rows, batch_first=True).to(dtype)  # [B, L, ...]
 
 
 def _chunks(items: list, size: int):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -106,11 +107,8 @@ class RolloutData:
         """Process `rank`'s share of the step at `position`: ids [B, L] right-padded with 0, starts [B] (first
         response token), lengths [B]."""
         seqs = [self.seqs[i] for i in self.indices(position + rank * batch_size, batch_size)]
-        lengths = torch.tensor([len(ids) for ids, _ in seqs])
-        ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
-        for row, (seq, _) in enumerate(seqs):
-            ids[row, : len(seq)] = torch.tensor(seq)
-        return ids, torch.tensor([s for _, s in seqs]), lengths
+        ids = pad_sequence([torch.tensor(seq) for seq, _ in seqs], batch_first=True)  # [B, L]
+        return ids, torch.tensor([s for _, s in seqs]), torch.tensor([len(seq) for seq, _ in seqs])
 
 
 def load_rollouts(folder: str | Path) -> list[Rollout]:
