@@ -240,7 +240,7 @@ def _add_latency(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=integer(1), default=16, help="draft horizon H")
     p.add_argument("--repeats", type=integer(1), default=50)
     p.add_argument("--warmup", type=integer(0), default=5)
-    p.add_argument("--drafter", help="'dflash' or 'exittrain' (shipped drafters; dflash is the default for the default "
+    p.add_argument("--drafter", help="'dflash', 'dflash-v1' or 'exittrain' (shipped drafters; dflash is the default for the default "
                    "model), a DFlash checkpoint folder, or 'oracle' (the target's own log-probs; default otherwise)")
     p.add_argument("--synthetic", action="store_true", help="random trees and logits instead of the model")
     p.add_argument("--vocab", type=integer(2), default=49152, help="vocabulary of --synthetic (the default model's)")
@@ -337,7 +337,7 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
 def _add_eval(p: argparse.ArgumentParser) -> None:
     """`exitspec train eval`'s own options; the model, machine and common options come from app's groups."""
     p.add_argument("--drafters", nargs="+", default=["dflash"], metavar="SPEC",
-                   help="shipped drafters ('dflash', 'exittrain') or DFlash checkpoint folders")
+                   help="shipped drafters ('dflash', 'dflash-v1', 'exittrain') or DFlash checkpoint folders")
     p.add_argument("--datasets", nargs="+", default=list(BENCHMARKS), metavar="NAME",
                    help="benchmark sets (exitspec.data); their first turns are the held-out prompts")
     p.add_argument("--data-dir", type=Path, help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")

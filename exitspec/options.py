@@ -20,8 +20,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 VERIFIERS = ("greedy", "predraw", "sequential", "tev")  # the keys of verify.DECIDERS (a test keeps them equal)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DRAFTER_HELP = (
-    "'dflash' (the DFlash drafter shipped for the default model; the default there), 'exittrain' (dflash "
-    "fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models), a DFlash checkpoint folder, "
+    "'dflash' (the DFlash drafter shipped for the default model; the default there), 'dflash-v1' (the first "
+    "one), 'exittrain' (dflash-v1 fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models), a DFlash checkpoint folder, "
     "or chain:SPEC (the best path of SPEC's trees: plain chain speculative decoding)"
 )
 # Errors a user causes (a bad value, a missing or corrupt file, a missing package): one line and exit code 2.

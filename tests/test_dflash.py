@@ -375,26 +375,26 @@ def test_dflash_spec_names_the_shipped_drafter(tmp_path, monkeypatch, target):
     assert drafters.drafter_folder("dflash") == tmp_path / "shipped" and drafters.drafter_folder("ngram") is None
 
 
-@pytest.mark.parametrize("name", ["dflash", "exittrain"])
+@pytest.mark.parametrize("name", ["dflash", "dflash-v1", "exittrain"])
 def test_the_shipped_drafters_fit_the_default_model(name):
-    """Each committed drafter folder is safetensors of at most 40 MB (plus, for a fine-tuning, a README with the
-    command that trained it), made for SmolLM2-135M-Instruct's sizes (hidden 576, vocabulary 49152, 30 layers);
+    """Each committed drafter folder is safetensors of at most 40 MB and a README with the commands that trained
+    it, made for SmolLM2-135M-Instruct's sizes (hidden 576, vocabulary 49152, 30 layers);
     `generate` picks dflash for the default model only."""
     from exitspec import drafters
 
     folder = drafters.SHIPPED[name]
     files = sorted(p.name for p in folder.iterdir())
-    assert files == (["README.md"] if name == "exittrain" else []) + ["config.json", "model.safetensors"]
+    assert files == ["README.md", "config.json", "model.safetensors"]
     assert (folder / "model.safetensors").stat().st_size <= 40 * 2**20
     DFlashConfig.load(folder).check_target(hidden_size=576, vocab_size=49152, num_layers=30)
     assert drafters.default_drafter(None) == "dflash" and drafters.default_drafter("some/llama") == "ngram"
 
 
-def test_exittrain_is_a_finetuning_of_the_shipped_dflash_drafter():
-    """exittrain has dflash's architecture and parameter names, with trained (changed) weights."""
+def test_exittrain_is_a_finetuning_of_the_first_dflash_drafter():
+    """exittrain has dflash-v1's architecture and parameter names, with trained (changed) weights."""
     from exitspec import drafters
 
-    a, b = (load_file(drafters.SHIPPED[n] / "model.safetensors") for n in ("dflash", "exittrain"))
-    assert DFlashConfig.load(drafters.SHIPPED["dflash"]) == DFlashConfig.load(drafters.SHIPPED["exittrain"])
+    a, b = (load_file(drafters.SHIPPED[n] / "model.safetensors") for n in ("dflash-v1", "exittrain"))
+    assert DFlashConfig.load(drafters.SHIPPED["dflash-v1"]) == DFlashConfig.load(drafters.SHIPPED["exittrain"])
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
     assert any(not torch.equal(a[k], b[k]) for k in a)

@@ -17,10 +17,13 @@ __all__ = [
 
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # the DFlash drafters shipped for the default model (SmolLM2-135M-Instruct), by spec name:
-#   dflash     trained from scratch on the target's rollouts; record in data/dflash-runs/smollm2-135m-instruct
-#   exittrain  dflash fine-tuned with the exit-weighted loss; record in data/exittrain-runs/smollm2-135m-instruct
+#   dflash     trained on 8626 target rollouts (chat, code, math; greedy and T = 1) with the kl (Draft-OPD) loss;
+#              record in data/dflash-runs/smollm2-135m-instruct-v2
+#   dflash-v1  the first drafter, on 800 greedy rollouts; record in data/dflash-runs/smollm2-135m-instruct
+#   exittrain  dflash-v1 fine-tuned with the exit-weighted loss; record in data/exittrain-runs/smollm2-135m-instruct
 SHIPPED = {
     "dflash": _ASSETS / "dflash-smollm2-135m-instruct",
+    "dflash-v1": _ASSETS / "dflash-v1-smollm2-135m-instruct",
     "exittrain": _ASSETS / "exittrain-smollm2-135m-instruct",
 }
 
@@ -31,7 +34,7 @@ def default_drafter(model: str | Path | None) -> str:
 
 
 def drafter_folder(spec: str | Path) -> Path | None:
-    """The checkpoint folder a drafter spec names: None for 'ngram', the shipped one for 'dflash' or 'exittrain'."""
+    """The checkpoint folder a drafter spec names: None for 'ngram', the shipped one for a name in SHIPPED."""
     spec, _ = split_chain(spec)
     if spec == "ngram":
         return None
@@ -49,7 +52,7 @@ def drafter_folder(spec: str | Path) -> Path | None:
 
 
 def load_drafter(spec: str | Path, target_hf_model) -> Drafter:
-    """A shipped drafter's name ('dflash', 'exittrain'), 'ngram' (prompt lookup, training-free) or a DFlash
+    """A shipped drafter's name ('dflash', 'dflash-v1', 'exittrain'), 'ngram' (prompt lookup, training-free) or a DFlash
     checkpoint folder for this target model; chain:SPEC for the best path of SPEC's trees."""
     folder = drafter_folder(spec)
     drafter = NgramDrafter() if folder is None else DFlashDrafter.from_pretrained(folder, target_hf_model)
