@@ -18,7 +18,7 @@ STEPS=${STEPS:-300}
 LAM=${LAM:-32}
 for weight in none prefix exit; do
     exitspec train exit --weight "$weight" --lam "$LAM" --budget 32 \
-        --init exitspec/assets/dflash-smollm2-135m-instruct \
+        --init exitspec/assets/dflash-v1-smollm2-135m-instruct \
         --rollouts data/rollouts/smollm2-135m-instruct --run-dir "runs/exittrain/$weight" \
         --steps "$STEPS" ${STOP_AT:+--stop-at "$STOP_AT"} --batch-size 2 --anchors 16 --gamma 4 \
         --lr 3e-4 --warmup 10 --save-every 25 --log-every 5 --threads 2 --no-progress

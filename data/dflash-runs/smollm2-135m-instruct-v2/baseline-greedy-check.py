@@ -8,7 +8,7 @@ from exitspec.train.config import BENCHMARKS
 target, tok = load_model_and_tokenizer(None, "cpu", torch.float32)
 heldout = make_heldout(target, tok, model_name(None), BENCHMARKS, "runs/heldout", 20, HELDOUT_TOKENS, progress=False)
 out = {}
-for name, folder in (("dflash (shipped)", "exitspec/assets/dflash-smollm2-135m-instruct"), ("dflash-shipped-v16k", "runs/dflash-shipped-v16k")):
+for name, folder in (("dflash (shipped)", "exitspec/assets/dflash-v1-smollm2-135m-instruct"), ("dflash-shipped-v16k", "runs/dflash-shipped-v16k")):
     d = DFlashModel.from_pretrained(folder, dtype=torch.float32)
     check = GreedyCheck(target, heldout, d.config.target_layer_ids, seed=0)
     obj = DFlashObjective(d, target.get_input_embeddings(), target.get_output_embeddings())
