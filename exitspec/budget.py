@@ -39,6 +39,7 @@ from exitspec.tree import DraftTree
 
 GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 EXPLORE_EVERY = 8
+MEASURE_VERSION = 2  # part of the cost cache's key: files from an older `measure` are measured again
 MAX_EXPLORE_EVERY = 256
 
 
@@ -66,31 +67,34 @@ class CostModel:
         self.ratio += self.smoothing * (seconds / self.base(n) - self.ratio)
 
     @classmethod
-    def measure(cls, target, max_size: int, context: int = 256, repeats: int = 3) -> CostModel:
+    def measure(cls, target, max_size: int, context: int = 256, repeats: int = 5) -> CostModel:
         """Times forward + commit of chain trees of each grid size up to max_size after `context` cached tokens.
 
-        Chains have the largest depth for their size, so positions and mask are the dearest case; the median
-        of `repeats` runs (after one warm-up) is kept. The target's cache is reset afterwards.
+        Chains have the largest depth for their size, so positions and mask are the dearest case. One pass over
+        the whole grid warms every shape up; then each size keeps the fastest of `repeats` runs, since other
+        work on the machine only ever adds time (a median taken under load once made one extra token look 40%
+        dearer, and `auto` then never drafted). The target's cache is reset afterwards.
         """
         sizes = [n for n in GRID if n <= max_size] + ([max_size] if max_size not in GRID else [])
         device = target.device
         context = max(1, min(context, target.max_context - max(sizes) - 2))
         ids = torch.arange(context, device=device) % target.vocab_size
-        seconds = []
         target.reset()
         target.prefill(ids)
-        for n in sizes:
-            tree = DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=device)
-            runs = []
-            for _ in range(repeats + 1):
-                synchronize(device)
-                start = time.perf_counter()
-                target.forward_tree(tree)
-                target.commit(tree, [])
-                synchronize(device)
-                runs.append(time.perf_counter() - start)
-                target.truncate(context)  # back to the same context for the next run
-            seconds.append(sorted(runs[1:])[len(runs[1:]) // 2])
+        trees = [DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=device) for n in sizes]
+        for runs in (1, repeats):  # the warm-up pass, then the timed one
+            seconds = []
+            for tree in trees:
+                best = float("inf")
+                for _ in range(runs):
+                    synchronize(device)
+                    start = time.perf_counter()
+                    target.forward_tree(tree)
+                    target.commit(tree, [])
+                    synchronize(device)
+                    best = min(best, time.perf_counter() - start)
+                    target.truncate(context)  # back to the same context for the next run
+                seconds.append(best)
         target.reset()
         return cls(sizes, seconds)
 
@@ -101,7 +105,7 @@ class CostModel:
 
         key = json.dumps([
             target.model.config.to_json_string(use_diff=False), str(target.device), str(target.model.dtype),
-            type(target.backend).__name__, torch.get_num_threads(), torch.__version__, max_size,
+            type(target.backend).__name__, torch.get_num_threads(), torch.__version__, max_size, MEASURE_VERSION,
         ])
         path = cache_dir() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
         if path.is_file():

@@ -116,8 +116,10 @@ class SourceMerge:
         return tree
 
     def observe(self, tree: DraftTree, reach: Tensor) -> None:
-        """Feeds the realised P(u) of the last built tree's nodes (reach [N+1], tree possibly cut by `head`)."""
+        """Feeds the realised P(u) of the last built tree's nodes (reach [N+1], NaN where the target did not
+        reveal it: flow.observed_reach)."""
         values = reach.tolist()
         for u in range(1, min(tree.size, len(self._origins))):
-            for name, b in self._origins[u]:
-                self.sources[name][0].observe([b], [values[u]])
+            if not math.isnan(values[u]):
+                for name, b in self._origins[u]:
+                    self.sources[name][0].observe([b], [values[u]])

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from exitspec.budget import AutoBudget, CostModel
 from exitspec.drafters import Drafter, default_drafter
-from exitspec.flow import parent_row_flow, tree_flow
+from exitspec.flow import observed_reach, parent_row_flow, tree_flow
 from exitspec.options import budget_cap, parse_budget
 from exitspec.sampling import SamplingParams, WarpedRows, sample_rows, target_probs
 from exitspec.target import TargetModel, synchronize
@@ -275,10 +275,11 @@ class SpeculativeDecoder:
                             f"drafter returned a tree of {tree.num_nodes} nodes, depth {tree.depth}, root "
                             f"{int(tree.tokens[0])}; expected at most {cap} nodes, depth {max_depth}, root {root}"
                         )
+                    drafted = tree  # [M+1] before --budget auto keeps its head
                     if auto is not None:
                         tree = auto.choose(tree, cheap)
             else:
-                tree = DraftTree.root_only(root, device=target.device)
+                tree = drafted = DraftTree.root_only(root, device=target.device)
             with timer("target"):
                 forward = target.forward_tree(tree)
             with timer("verify"):
@@ -298,8 +299,9 @@ class SpeculativeDecoder:
                 committed = forward.features[kept] if forward.features is not None else None
                 drafter.commit(tree.tokens[kept], committed)
             coverage = 0.0 if flow is None else float(flow.coverage)
-            if flow is not None:
-                drafter.observe(tree, flow.reach)
+            if drafted.num_nodes:
+                reach = flow.reach if flow is not None else torch.ones(1, device=target.device)  # [N+1]
+                drafter.observe(drafted, observed_reach(drafted, tree.size, reach, rows))
             if auto is not None:
                 stage = timer.last
                 auto.record(cheap, tree.num_nodes, stage["draft"] + stage["build"],

@@ -66,6 +66,23 @@ def edge_flow(tree: DraftTree | TreeBatch, edge: Tensor) -> TreeFlow:
     return TreeFlow(edge, reach, child_mass, rho, reach * rho, reach[..., 1:].sum(dim=-1))
 
 
+def observed_reach(tree: DraftTree, kept: int, reach: Tensor, rows: WarpedRows) -> Tensor:
+    """P(u) [M+1] of a drafted tree's nodes as far as the target forward over its head of `kept` nodes shows them.
+
+    reach [kept] is the head's realised P (Eq. 2); a node cut from the head whose parent was kept gets
+    P(parent) · p_parent(x_u) (Eqs. 1–2) from the parent's row; deeper cut nodes stay NaN (unobserved). The
+    frontier is where `--budget auto` decides whether one more node pays, so its calibration learns there even
+    from rounds that kept no node (kept = 1, reach = [1]).
+    """
+    out = torch.full((tree.size,), float("nan"), device=reach.device)  # [M+1]
+    out[:kept] = reach
+    parents = tree.parents[kept:]  # [M+1-kept]
+    frontier = torch.nonzero(parents < kept).flatten() + kept  # cut nodes with a kept parent
+    if frontier.numel():
+        out[frontier] = reach[tree.parents[frontier]] * rows.edges(tree.parents[frontier], tree.tokens[frontier])
+    return out
+
+
 def check_probs(tree: DraftTree | TreeBatch, probs: Tensor, tolerance: float = 1e-3) -> None:
     """Raises ValueError unless probs [..., M, V] fits the tree and each real node's row is a distribution.
 

@@ -127,6 +127,8 @@ def test_drafter_table_crosses_drafters_with_settings():
     assert drafter_table_markdown(table) == [
         "| drafter | T=0 B32 tev | T=1 B64 predraw |", "|---|---|---|",
         "| dflash | 2.50 / 0.62× | - / - |", "| exit | 2.40 / 0.60× | 1.50 / 0.38× |"]
+    mixed = drafter_table([cell("dflash", "gsm8k", 0.0, b, "tev", 2.0) for b in ("auto:32", 32, 8)])
+    assert [c["budget"] for c in mixed["columns"]] == [8, 32, "auto:32"]  # fixed and auto budgets in one table
 
 
 def test_paired_tau_pairs_the_last_drafter_with_each_other_one_by_prompt():

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exitspec.check import random_logits, random_tree
-from exitspec.flow import residual_probs, tree_flow
-from exitspec.sampling import SamplingParams, target_probs
+from exitspec.flow import observed_reach, parent_row_flow, residual_probs, tree_flow
+from exitspec.sampling import SamplingParams, WarpedRows, target_probs
 from exitspec.tree import TreeBatch
 
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
@@ -59,6 +59,26 @@ def test_batched_flow_matches_each_tree(seed_list):
         assert torch.allclose(batched.exit[i, :n], single.exit) and torch.allclose(batched.reach[i, :n], single.reach)
         assert torch.isclose(batched.coverage[i], single.coverage)
         assert bool((batched.exit[i, n:] == 0).all())
+
+
+@settings(max_examples=100, deadline=None)
+@given(seeds, st.integers(min_value=1, max_value=40), st.sampled_from([SamplingParams(), SamplingParams(0.0)]))
+def test_a_head_reveals_its_own_reach_and_its_frontier(seed, kept, params):
+    """A forward over the first `kept` nodes of a tree gives the exact P(u) of those and of their cut children
+    (the same as a forward over the whole tree); deeper cut nodes are NaN, unobserved."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = random_tree(gen, 7)
+    logits = random_logits(gen, tree.size, 7)  # [M+1, V]
+    kept = min(kept, tree.size)
+    head = tree.head(kept)
+    rows = WarpedRows(logits[:kept], params)  # the head's forward sees only its own rows
+    reach = parent_row_flow(head, rows).reach if kept > 1 else torch.ones(1)  # a root alone: P = 1, as decode has it
+    got = observed_reach(tree, kept, reach, rows)  # [M+1]
+    full = tree_flow(tree, target_probs(logits, params)).reach  # [M+1]
+    seen = torch.arange(tree.size) < kept
+    seen[kept:] = tree.parents[kept:] < kept
+    assert torch.allclose(got[seen], full[seen], atol=1e-6)
+    assert bool(got[~seen].isnan().all())
 
 
 def test_residual_removes_children_and_renormalises():

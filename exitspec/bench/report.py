@@ -38,6 +38,17 @@ SIZE_BANDS = (("0", (0, 0)), ("1", (1, 1)), ("2", (2, 2)), ("3–4", (3, 4)), ("
               ("17–32", (17, 32)), ("> 32", (33, 1 << 30)))  # the tree-size table's columns
 
 
+def _budget_order(budget: int | str) -> tuple[int, bool]:
+    """Budgets by value, auto:B right after B."""
+    return budget_cap(budget), isinstance(budget, str)
+
+
+def _setting_order(setting: tuple) -> tuple:
+    """(temperature, budget, verifier) columns by temperature, then budget, then verifier name."""
+    temperature, budget, verifier = setting
+    return temperature, _budget_order(budget), verifier
+
+
 def summarize(rows: list[BaselineRow | SpecRow]) -> list[dict]:
     """One aggregate per cell of the spec rows, ordered by dataset, temperature, drafter, budget and verifier
     (datasets, drafters and verifiers in the order they first appear, so re-measured rows keep their place)."""
@@ -47,7 +58,7 @@ def summarize(rows: list[BaselineRow | SpecRow]) -> list[dict]:
             groups[tuple(getattr(row, f) for f in CELL)].append(row)
     rank = [{v: i for i, v in enumerate(dict.fromkeys(key[j] for key in groups))} for j in range(len(CELL))]
     # temperature and budget sort by value (auto:B right after B), the others by first appearance
-    value = {"temperature": lambda t: t, "budget": lambda b: (budget_cap(b), isinstance(b, str))}
+    value = {"temperature": lambda t: t, "budget": _budget_order}
     order = sorted(groups, key=lambda key: tuple(
         value[f](v) if f in value else rank[j][v] for j, (f, v) in enumerate(zip(CELL, key))
     ))
@@ -122,7 +133,7 @@ def drafter_table(cells: list[dict]) -> dict:
     by_key: dict[tuple, list[dict]] = defaultdict(list)
     for c in cells:
         by_key[(c["drafter"], c["temperature"], c["budget"], c["verifier"])].append(c)
-    columns = sorted({k[1:] for k in by_key})
+    columns = sorted({k[1:] for k in by_key}, key=_setting_order)
     rows = []
     for drafter in dict.fromkeys(c["drafter"] for c in cells):
         values = []
@@ -146,7 +157,7 @@ def paired_tau(rows: list[BaselineRow | SpecRow]) -> dict:
             prompt = (r.dataset, r.prompt_id, r.turn, r.repeat, r.seed)
             tau[(r.drafter, r.temperature, r.budget, r.verifier)][prompt] = r.tau
     drafters = list(dict.fromkeys(key[0] for key in tau))
-    columns = sorted({key[1:] for key in tau})
+    columns = sorted({key[1:] for key in tau}, key=_setting_order)
     table = {"candidate": drafters[-1] if drafters else None, "rows": [],
              "columns": [dict(zip(SETTING, c)) for c in columns]}
     for other in drafters[:-1]:

@@ -4,9 +4,9 @@ One round, as the decode loop drives it (shapes for one sequence):
 
     proposal = drafter.propose(context_ids, max_depth, cheap)  # context_ids [L]; its last token is the tree root
     tree = drafter.build(proposal, root_token, budget)     # DraftTree with at most `budget` non-root nodes
-    ... --budget auto may keep only tree.head(n) ...
+    ... --budget auto may verify only tree.head(n) ...
     ... one target forward over the tree, a verifier picks root → path plus a bonus token ...
-    drafter.observe(tree, reach)                           # the realised P(u) [N+1] of the tree verified (Eq. 2)
+    drafter.observe(tree, reach)                           # the realised P(u) [N+1] of the tree built, NaN where unseen
     drafter.commit(committed_ids, committed_features)      # the root and the accepted path, now in the target cache
 
 `cheap` asks for a draft from the drafter's cheapest source only (for DFlash: prompt lookup without the
@@ -43,7 +43,8 @@ class Drafter(Protocol):
         """Selects at most `budget` of the proposed tokens as a prefix-closed tree rooted at root_token."""
 
     def observe(self, tree: DraftTree, reach: Tensor) -> None:
-        """Learns from the tree just verified: reach [N+1] holds each node's realised P(u)."""
+        """Learns from the tree just built: reach [N+1] holds each node's realised P(u) (Eq. 2), NaN for nodes
+        the target's forward did not reveal (flow.observed_reach)."""
 
     def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
         """committed_ids [n]: the root and accepted path tokens now in the target cache; features [n, F]."""
