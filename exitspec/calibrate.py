@@ -17,7 +17,7 @@ prefix-closed. `SourceMerge` ranks the nodes of several sources on one scale wit
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -96,21 +96,31 @@ def copy_bins(tree: DraftTree) -> list[int]:
 
 
 class SourceMerge:
-    """Candidate trees from several named sources, each with its calibrator, merged into one ranked tree."""
+    """Candidate trees from several named sources, each with its calibrator, merged into one ranked tree.
 
-    def __init__(self, sources: dict[str, tuple[Calibrator, Callable[[DraftTree], list[int]]]]):
-        self.sources = sources  # name -> (calibrator, tree -> bin of every node)
+    P(u) depends on the sampling settings (at T = 0 it is 0 or 1, at T = 1 a product of probabilities), so the
+    calibrators are kept per setting: `use(setting)` switches to that setting's, made fresh on first use."""
+
+    def __init__(self, sources: dict[str, tuple[Callable[[], Calibrator], Callable[[DraftTree], list[int]]]]):
+        self.sources = sources  # name -> (a fresh calibrator, tree -> bin of every node)
+        self._by_setting: dict[Hashable, dict[str, Calibrator]] = {}
         self._origins: list[list[tuple[str, int]]] = []  # per node of the last tree: (source, bin)
+        self.use(None)
+
+    def use(self, setting: Hashable) -> None:
+        """Estimates learned under `setting` from here on (the sampling parameters of the rounds to come)."""
+        if setting not in self._by_setting:
+            self._by_setting[setting] = {name: make() for name, (make, _) in self.sources.items()}
+        self.calibrators = self._by_setting[setting]
 
     def build(self, root_token: int, candidates: dict[str, DraftTree], budget: int, device=None) -> DraftTree:
         """The `budget` best nodes over all sources' candidate trees, by calibrated estimate of P(u)."""
         names, scored, bins = [], [], []
         for name, tree in candidates.items():
-            calibrator, binning = self.sources[name]
-            node_bins = [0, *binning(tree)[1:]]
+            node_bins = [0, *self.sources[name][1](tree)[1:]]
             names.append(name)
             bins.append(node_bins)
-            scored.append((tree, [1.0, *calibrator.estimate(node_bins[1:])]))
+            scored.append((tree, [1.0, *self.calibrators[name].estimate(node_bins[1:])]))
         tree, origins = merge_best_first(root_token, scored, budget, device)
         self._origins = [[(names[s], bins[s][u]) for s, u in node] for node in origins]
         return tree
@@ -122,4 +132,4 @@ class SourceMerge:
         for u in range(1, min(tree.size, len(self._origins))):
             if not math.isnan(values[u]):
                 for name, b in self._origins[u]:
-                    self.sources[name][0].observe([b], [values[u]])
+                    self.calibrators[name].observe([b], [values[u]])

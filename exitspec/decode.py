@@ -198,13 +198,17 @@ class SpeculativeDecoder:
                 f"{list(target.feature_layers)}; build the target with feature_layers=drafter.feature_layers"
             )
         self.target, self.drafter = target, drafter
-        self._auto: dict[int, AutoBudget] = {}  # per cap: `--budget auto`'s cost model and running rates
+        self.costs: dict[int, CostModel] = {}  # per cap: the target stage's cost against N (`--budget auto`)
+        self._auto: dict[tuple[int, SamplingParams], AutoBudget] = {}  # per cap and sampling settings
 
-    def auto_budget(self, cap: int) -> AutoBudget:
-        """`--budget auto:cap`'s state, its cost model measured (or read from the cache) on first use."""
-        if cap not in self._auto:
-            self._auto[cap] = AutoBudget(CostModel.cached(self.target, cap), cap)
-        return self._auto[cap]
+    def auto_budget(self, cap: int, params: SamplingParams) -> AutoBudget:
+        """`--budget auto:cap`'s running rates under these sampling settings (what a round is worth depends on
+        them), over the cap's cost model, measured (or read from the cache) on first use."""
+        if cap not in self.costs:
+            self.costs[cap] = CostModel.cached(self.target, cap)
+        if (cap, params) not in self._auto:
+            self._auto[cap, params] = AutoBudget(self.costs[cap], cap)
+        return self._auto[cap, params]
 
     @classmethod
     def from_pretrained(
@@ -246,8 +250,9 @@ class SpeculativeDecoder:
         check_verifier(verifier, params)
         budget = parse_budget(budget)
         cap = budget_cap(budget)
-        auto = self.auto_budget(cap) if isinstance(budget, str) and cap > 0 else None  # measured before timing
+        auto = self.auto_budget(cap, params) if isinstance(budget, str) and cap > 0 else None  # measured before timing
         target, drafter = self.target, self.drafter
+        drafter.calibrate_for(params)
         run, prompt_ids, timer, start = _start_run(target, prompt, max_new_tokens, stop_tokens, stream, chat)
 
         features = target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))

@@ -15,7 +15,9 @@ from tiny_models import tiny_llama
 from exitspec.budget import EXPLORE_EVERY, AutoBudget, CostModel, best_size
 from exitspec.build import build_trie, merge_best_first
 from exitspec.calibrate import Calibrator, model_bins, model_calibrator
+from exitspec.drafters import NgramDrafter
 from exitspec.options import budget_cap, parse_budget
+from exitspec.sampling import SamplingParams
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 
@@ -100,6 +102,27 @@ def test_calibrator_shrinks_to_its_prior():
     calibrator.observe([0, 0, 0], [1.0, 1.0, 1.0])
     seen = 1.0 + 0.5 + 0.25  # decayed count (and mass) of the three nodes
     assert calibrator.estimate([0]) == [pytest.approx((seen + 4.0 * 0.5) / (seen + 4.0))]
+
+
+def test_estimates_are_learned_per_sampling_setting():
+    """What the target accepts at T = 0 says little about T = 1: each setting learns its own estimates, and
+    returning to a setting finds what it learned, unchanged by the other's rounds; unobserved (NaN) nodes teach
+    nothing."""
+    drafter = NgramDrafter()
+    context = torch.tensor([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3])  # repeats itself: the trie proposes 4, 1, 2, ...
+    greedy, sampled = SamplingParams(0.0), SamplingParams(1.0)
+
+    def first_estimate(setting) -> float:
+        drafter.calibrate_for(setting)
+        return drafter.build(drafter.propose(context, 4), 3, 4).scores[1]
+
+    prior = first_estimate(greedy)
+    assert first_estimate(sampled) == prior
+    for reach in (1.0, 1.0, 1.0, float("nan")):
+        tree = drafter.build(drafter.propose(context, 4), 3, 4)
+        drafter.observe(tree, torch.tensor([1.0] + [reach] * tree.num_nodes))  # sampled: every node accepted
+    learned = first_estimate(sampled)
+    assert learned > prior and first_estimate(greedy) == prior and first_estimate(sampled) == learned
 
 
 trees = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), min_size=1, max_size=8)

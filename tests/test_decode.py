@@ -27,6 +27,9 @@ class RandomTreeDrafter:
     def __init__(self, vocab: int, seed: int = 0):
         self.vocab, self.gen = vocab, torch.Generator().manual_seed(seed)
 
+    def calibrate_for(self, setting):
+        pass
+
     def begin(self, prompt_ids, features):
         pass
 
@@ -101,7 +104,7 @@ def test_wrong_target_law_is_detected(first_tokens_counts):
 def varied_cost(decoder: SpeculativeDecoder, cap: int) -> None:
     """A cost model under which the best tree size depends on the drafter's scores (the tiny model's own
     timings are flat in N, so `auto` would always fill the cap): each node costs a tenth of a step."""
-    decoder.auto_budget(cap).cost = CostModel([0, cap], [1.0, 1.0 + 0.1 * cap])
+    decoder.costs[cap] = CostModel([0, cap], [1.0, 1.0 + 0.1 * cap])
 
 
 @pytest.mark.parametrize("verifier", ["greedy", "predraw", "sequential", "tev"])

@@ -2,6 +2,7 @@
 
 One round, as the decode loop drives it (shapes for one sequence):
 
+    drafter.calibrate_for(params)                          # once per sequence: the sampling settings it is for
     proposal = drafter.propose(context_ids, max_depth, cheap)  # context_ids [L]; its last token is the tree root
     tree = drafter.build(proposal, root_token, budget)     # DraftTree with at most `budget` non-root nodes
     ... --budget auto may verify only tree.head(n) ...
@@ -22,6 +23,7 @@ receives `None`.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
@@ -32,6 +34,10 @@ from exitspec.tree import DraftTree
 @runtime_checkable
 class Drafter(Protocol):
     feature_layers: tuple[int, ...]
+
+    def calibrate_for(self, setting: Hashable) -> None:
+        """Estimates of P(u) for the sampling settings (SamplingParams) of the sequences to come: P(u) depends on
+        them, so a drafter that learns its estimates keeps them per setting."""
 
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
         """Starts a sequence. prompt_ids [L]; features [L-1, F] for prompt_ids[:-1] (the cached tokens)."""

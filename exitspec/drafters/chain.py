@@ -25,6 +25,9 @@ class ChainDrafter:
         self.inner = inner
         self.feature_layers = inner.feature_layers
 
+    def calibrate_for(self, setting) -> None:
+        self.inner.calibrate_for(setting)
+
     def begin(self, prompt_ids, features) -> None:
         self.inner.begin(prompt_ids, features)
 

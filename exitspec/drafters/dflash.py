@@ -18,6 +18,7 @@ copy source alone.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,7 @@ class DFlashDrafter:
     def reset_calibration(self) -> None:
         """Forgets what the estimates of P(u) learned (they persist across sequences otherwise)."""
         self.merge = SourceMerge(
-            {"model": (model_calibrator(), lambda t: model_bins(t.scores)), "copy": (copy_calibrator(), copy_bins)}
+            {"model": (model_calibrator, lambda t: model_bins(t.scores)), "copy": (copy_calibrator, copy_bins)}
         )
 
     @classmethod
@@ -119,6 +120,9 @@ class DFlashDrafter:
         return cls(model, embed, lm_head, device=device, copy_source=copy_source)
 
     # -- the Drafter protocol ------------------------------------------------------------------------------
+
+    def calibrate_for(self, setting: Hashable) -> None:
+        self.merge.use(setting)
 
     @torch.no_grad()
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:

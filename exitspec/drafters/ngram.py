@@ -8,6 +8,7 @@ Its nodes carry calibrated estimates of P(u) (calibrate.py), learned from the ro
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,10 @@ class NgramDrafter:
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
         self.max_ngram, self.min_ngram, self.max_candidates = max_ngram, min_ngram, max_candidates
-        self.merge = SourceMerge({"copy": (copy_calibrator(), copy_bins)})
+        self.merge = SourceMerge({"copy": (copy_calibrator, copy_bins)})
+
+    def calibrate_for(self, setting: Hashable) -> None:
+        self.merge.use(setting)
 
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
         pass
