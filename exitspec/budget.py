@@ -39,8 +39,8 @@ from exitspec.tree import DraftTree
 
 GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 EXPLORE_EVERY = 8
-MEASURE_VERSION = 2  # part of the cost cache's key: files from an older `measure` are measured again
 MAX_EXPLORE_EVERY = 256
+MEASURE_VERSION = 2  # part of the cost cache's key: files from an older `measure` are measured again
 
 
 @dataclass
