@@ -117,7 +117,8 @@ class SourceMerge:
         """The `budget` best nodes over all sources' candidate trees, by calibrated estimate of P(u)."""
         names, scored, bins = [], [], []
         for name, tree in candidates.items():
-            node_bins = [0, *self.sources[name][1](tree)[1:]]
+            _, binning = self.sources[name]
+            node_bins = [0, *binning(tree)[1:]]
             names.append(name)
             bins.append(node_bins)
             scored.append((tree, [1.0, *self.calibrators[name].estimate(node_bins[1:])]))

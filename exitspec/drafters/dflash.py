@@ -171,7 +171,8 @@ class DFlashDrafter:
         return self.merge.build(root_token, candidates, budget, self.device)
 
     def observe(self, tree: DraftTree, reach: Tensor) -> None:
-        """The realised reach probabilities P(u) [N+1] (NaN: unobserved) of the last tree built (Eq. 2) calibrate its sources."""
+        """The realised reach probabilities P(u) [N+1] (NaN: unobserved) of the last tree built (Eq. 2)
+        calibrate its sources."""
         self.merge.observe(tree, reach)
 
     @torch.no_grad()

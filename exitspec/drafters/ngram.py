@@ -88,5 +88,6 @@ class NgramDrafter:
         return self.merge.build(root_token, {"copy": self.trie(proposal, root_token, budget)}, budget, proposal.device)
 
     def observe(self, tree: DraftTree, reach: Tensor) -> None:
-        """The realised reach probabilities P(u) [N+1] (NaN: unobserved) of the last tree built calibrate its estimates."""
+        """The realised reach probabilities P(u) [N+1] (NaN: unobserved) of the last tree built calibrate its
+        estimates."""
         self.merge.observe(tree, reach)
