@@ -327,7 +327,8 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
         return
     x = p.add_argument_group("exit loss: L_tok + λ·L_exit on the drafter's own DDTrees (exitspec.train.exit_loss)")
     x.add_argument("--weight", dest="exit_weight", choices=WEIGHT_MODES, default="exit",
-                   help="node weights: exit w(v) = P(v)·rho(v); prefix P(v) rescaled to the tree's exit mass; none")
+                   help="node weights: exit w(v) = P(v)·rho(v); prefix P(v) rescaled to the tree's exit mass; reach P(v) "
+                   "as is (the released TEV code's variant, with --lam 0.1); none")
     x.add_argument("--lam", type=real(), default=1.0, help="λ")
     x.add_argument("--budget", type=integer(1, MAX_BUDGET), default=d.budget,
                    help="DDTree budget B of the trees the target scores")

@@ -32,6 +32,8 @@ def naive_weights(tree: DraftTree, probs: torch.Tensor, weight: str, exclude_hor
     exit_w, reach = flow.exit * counted, flow.reach * counted
     if weight == "exit":
         return exit_w
+    if weight == "reach":
+        return reach
     return reach * exit_w.sum() / reach.sum() if reach.sum() > 0 else reach
 
 
@@ -59,7 +61,7 @@ def case():
     return draft_logits.flatten(0, 1), trees, probs
 
 
-@pytest.mark.parametrize("weight", ["exit", "prefix"])
+@pytest.mark.parametrize("weight", ["exit", "prefix", "reach"])
 @pytest.mark.parametrize("exclude_horizon_leaves", [False, True])
 def test_row_logsumexp_form_equals_the_per_node_sum(case, weight, exclude_horizon_leaves):
     draft_logits, trees, probs = case
@@ -80,11 +82,13 @@ def test_node_weights_follow_the_exit_law(case):
     flow = tree_flow(trees, probs)
     exit_w, coverage = node_weights(trees, probs, H, "exit")
     prefix_w, _ = node_weights(trees, probs, H, "prefix")
+    reach_w, _ = node_weights(trees, probs, H, "reach")
     cut_w, _ = node_weights(trees, probs, H, "exit", exclude_horizon_leaves=True)
     torch.testing.assert_close(coverage, flow.coverage)
     assert (exit_w[:, 0] == 0).all() and (exit_w[~trees.valid] == 0).all()
     torch.testing.assert_close(exit_w.sum(dim=1), 1 - flow.exit[:, 0])  # Σ_v w(v) = 1, the root omitted
     torch.testing.assert_close(prefix_w.sum(dim=1), exit_w.sum(dim=1))  # same total, spread like P
+    torch.testing.assert_close(reach_w.sum(dim=1), coverage)  # Σ_{v≠root} P(v) = C_p (Eq. 5)
     ratio = prefix_w[:, 1:] / flow.reach[:, 1:]
     for t in range(trees.parents.shape[0]):
         r = ratio[t][trees.valid[t, 1:]]
@@ -139,7 +143,7 @@ def reference_exit_loss(target, objective, ids, features, anchors, keep, budget,
     return naive_loss(torch.stack(rows), batch, padded, weight, False), batch
 
 
-@pytest.mark.parametrize("weight", ["exit", "prefix"])
+@pytest.mark.parametrize("weight", ["exit", "prefix", "reach"])
 def test_total_loss_is_block_loss_plus_lambda_exit_loss(setup, weight):
     target, objective, ids, features, lengths, anchors, keep = setup
     cfg = ExitConfig(weight=weight, lam=0.5, budget=6)
@@ -165,4 +169,4 @@ def test_exit_loss_off(setup):
         out = train_loss(objective, target, ids, features, lengths, anchors, keep, cfg)
         assert out.exit is None and out.loss is out.block.loss
     with pytest.raises(ValueError, match="exit weight"):
-        ExitConfig(weight="reach")
+        ExitConfig(weight="exit-mass")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WEIGHT_MODES = ("exit", "prefix", "none")  # ExitTrain's node weights (exit_loss.py)
+WEIGHT_MODES = ("exit", "prefix", "reach", "none")  # ExitTrain's node weights (exit_loss.py)
 BENCHMARKS = ("gsm8k", "math500", "humaneval", "mtbench")  # held-out sets (never trained on) of the drafter goals
 LOSSES = ("ce", "kl", "ce+kl")  # the block loss (dflash_loss.py): sampled tokens, the target's distribution, both
 # TrainConfig's exit-loss fields, in ExitConfig's order: (TrainConfig field, ExitConfig field)
@@ -77,7 +77,7 @@ class TrainConfig:
     max_new_tokens: int = 256
     loop_repeats: int = 3  # stop a response at the R-th back-to-back copy of a span (rollouts.py; 0: off)
     gen_batch_size: int = 64  # responses in flight at once
-    exit_weight: str = "none"  # exit loss (exit_loss.py): exit | prefix | none (plain DFlash)
+    exit_weight: str = "none"  # exit loss (exit_loss.py): exit | prefix | reach | none (plain DFlash)
     lam: float = 0.0  # λ in L_tok + λ·L_exit
     budget: int = 32  # DDTree budget of the exit loss's trees
     exclude_horizon_leaves: bool = False

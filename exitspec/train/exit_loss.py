@@ -14,6 +14,7 @@ where q_{θ,d} = softmax of row d−1 of the draft logits of anchor i's block an
 
     exit     ω = w
     prefix   ω = P · s_i,  s_i = Σ_{v≠root} w_i(v) / Σ_{v≠root} P_i(v): the tree's non-root exit mass, spread like P
+    reach    ω = P, unscaled: the released TEV code's variant (its loss is CE + 0.1 · L_exit)
     none     no exit loss (λ = 0): `train_loss` skips the trees and the target forward
 
 Nodes at the hard horizon H (the block's last drafted depth) are leaves whose w also holds the target mass that
@@ -53,8 +54,8 @@ def node_weights(
     trees: TreeBatch, probs: Tensor, horizon: int, weight: str = "exit", exclude_horizon_leaves: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Detached ω [T, M] of the module docstring and the coverage C_p [T], from target probs [T, M, V]."""
-    if weight not in ("exit", "prefix"):
-        raise ValueError(f"node weights are 'exit' or 'prefix', got {weight!r}")
+    if weight not in ("exit", "prefix", "reach"):
+        raise ValueError(f"node weights are 'exit', 'prefix' or 'reach', got {weight!r}")
     flow = tree_flow(trees, probs.detach(), check=False)
     counted = trees.valid & (trees.depths > 0)  # [T, M]: non-root nodes (padding has depth 1 but valid False)
     if exclude_horizon_leaves:
@@ -63,6 +64,8 @@ def node_weights(
     if weight == "exit":
         return exit_w, flow.coverage
     reach = flow.reach * counted  # [T, M]
+    if weight == "reach":
+        return reach, flow.coverage
     total = reach.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(reach.dtype).tiny)  # [T, 1]; 0 only if w is 0
     return reach * (exit_w.sum(dim=-1, keepdim=True) / total), flow.coverage
 
