@@ -351,6 +351,7 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=integer(1), default=1, help="responses per target forward")
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    p.add_argument("--plot", type=Path, help="also draw the exit mass by depth of every drafter as a PNG here")
     p.add_argument("--no-progress", action="store_true")
 
 

@@ -68,9 +68,11 @@ def test_expected_tau_is_that_of_the_inference_trees(models, temperature, draft_
     objective = DFlashObjective(drafter, model.get_input_embeddings(), model.get_output_embeddings())
     data = RolloutData(rollouts, max_len=100, seed=0)
     (result,) = measure_acceptance(objective, model, data, [BUDGET], [temperature], anchors=100, progress=False)
-    expected = [t for r in rollouts for t in inference_taus(model, drafter, r, temperature)]
+    by_rollout = {r.id: inference_taus(model, drafter, r, temperature) for r in rollouts}
+    expected = [t for taus in by_rollout.values() for t in taus]
     assert result.trees == len(expected) == 14 + 10
     assert result.tau == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+    assert result.tau_by_sequence == pytest.approx({k: sum(v) / len(v) for k, v in by_rollout.items()}, abs=1e-5)
     assert result.tau > 1.0  # some draft tokens are accepted, so the comparison is not vacuous
     assert sum(result.reach_by_depth[1:]) == pytest.approx(result.tau - 1.0, abs=1e-4)
     assert sum(result.exit_by_depth) == pytest.approx(1.0, abs=1e-4)
@@ -92,6 +94,7 @@ def test_batches_and_several_settings_give_the_same_numbers(models):
         assert alone.trees == r.trees
         assert alone.tau == pytest.approx(r.tau, abs=1e-5)
         assert alone.reach_by_depth == pytest.approx(r.reach_by_depth, abs=1e-4)
+        assert alone.tau_by_sequence == pytest.approx(r.tau_by_sequence, abs=1e-5)
 
 
 def test_eval_command_refuses_a_drafter_without_logits(capsys):

@@ -27,8 +27,9 @@ import matplotlib.pyplot as plt
 from exitspec.bench.rows import BaselineRow, EnvRow, SpecRow
 from exitspec.bench.runner import ResultsFile, speedup
 from exitspec.decode import STAGES
-from exitspec.drafters.chain import CHAIN_PREFIX, split_chain
+from exitspec.drafters.chain import drafter_label
 from exitspec.options import budget_cap
+from exitspec.paired import paired_cell, paired_difference
 
 CELL = ("dataset", "temperature", "drafter", "budget", "verifier")
 CONFIG = ("drafter", "budget", "verifier")
@@ -102,7 +103,7 @@ def config_labels(cells: list[dict]) -> dict[tuple, str]:
     """A short label per config, naming only the fields that vary between the configs (the verifier at least)."""
     configs = list(dict.fromkeys(tuple(c[f] for f in CONFIG) for c in cells))
     varying = [i for i in range(3) if len({c[i] for c in configs}) > 1] or [2]
-    names = ({c[0]: _drafter_name(c[0]) for c in configs}, {c[1]: f"B{c[1]}" for c in configs}, {})
+    names = ({c[0]: drafter_label(c[0]) for c in configs}, {c[1]: f"B{c[1]}" for c in configs}, {})
     return {c: " · ".join(names[i].get(c[i], c[i]) for i in varying) for c in configs}
 
 
@@ -146,11 +147,11 @@ def drafter_table(cells: list[dict]) -> dict:
 
 def paired_tau(rows: list[BaselineRow | SpecRow]) -> dict:
     """The last drafter listed (the candidate) against each other one, paired by prompt: per (temperature,
-    budget, verifier), the mean and standard error over prompts of τ_candidate − τ_other. Pairing removes the
-    spread between prompts that the per-cell means of drafter_table carry.
+    budget, verifier), τ_candidate − τ_other over prompts (paired.py: mean, standard error, 95% interval).
+    Pairing removes the spread between prompts that the per-cell means of drafter_table carry.
 
     {"candidate", "columns": [{"temperature", "budget", "verifier"}], "rows": [{"drafter", "values":
-    [{"mean", "stderr", "pairs"} or None]}]}"""
+    [paired_difference or None]}]}"""
     tau: dict[tuple, dict[tuple, float]] = defaultdict(dict)  # (drafter, T, B, verifier) -> {prompt: τ}
     for r in rows:
         if isinstance(r, SpecRow):
@@ -164,26 +165,22 @@ def paired_tau(rows: list[BaselineRow | SpecRow]) -> dict:
         values = []
         for column in columns:
             mine, theirs = tau.get((drafters[-1], *column), {}), tau.get((other, *column), {})
-            diffs = [mine[p] - theirs[p] for p in mine.keys() & theirs.keys()]
-            values.append({"mean": statistics.mean(diffs), "pairs": len(diffs),
-                           "stderr": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None}
-                          if diffs else None)
+            values.append(paired_difference(mine, theirs))
         table["rows"].append({"drafter": other, "values": values})
     return table
 
 
 def paired_tau_markdown(table: dict) -> list[str]:
-    """paired_tau's Markdown lines: cells "mean ± standard error"."""
+    """paired_tau's Markdown lines: cells "mean ± standard error [95% interval]"."""
     header = ["minus"] + _setting_labels(table)
-    body = [[_drafter_name(r["drafter"])] + ["-" if v is None else f"{v['mean']:+.3f} ± {_num(v['stderr'], '', 3)}"
-                                             for v in r["values"]] for r in table["rows"]]
+    body = [[drafter_label(r["drafter"])] + [paired_cell(v) for v in r["values"]] for r in table["rows"]]
     return _markdown_table(header, body)
 
 
 def drafter_table_markdown(table: dict) -> list[str]:
     """drafter_table's Markdown lines: cells "τ / SR"."""
     header = ["drafter"] + _setting_labels(table)
-    body = [[_drafter_name(r["drafter"])] + [f"{_num(v and v['tau'])} / {_num(v and v['sr_ar'], '×')}"
+    body = [[drafter_label(r["drafter"])] + [f"{_num(v and v['tau'])} / {_num(v and v['sr_ar'], '×')}"
                                              for v in r["values"]] for r in table["rows"]]
     return _markdown_table(header, body)
 
@@ -238,7 +235,7 @@ def write_comparison(a: str | Path, b: str | Path, out_dir: str | Path) -> dict[
         header += [f"{k} A", f"{k} B", "B/A"]
     body = []
     for r in rows:
-        cells = [r["dataset"], f"{r['temperature']:g}", _drafter_name(r["drafter"]), str(r["budget"]), r["verifier"]]
+        cells = [r["dataset"], f"{r['temperature']:g}", drafter_label(r["drafter"]), str(r["budget"]), r["verifier"]]
         for k in ("tau", "sr_ar", "sr_hf", "tokens_per_second"):
             cells += [_num(r[k]["a"]), _num(r[k]["b"]), _num(r[k]["b_over_a"])]
         body.append(cells)
@@ -295,7 +292,7 @@ def _report_markdown(envs: list[dict], table: dict, crossed: dict, paired: dict,
     lines += ["", legend, ""]
     if len(crossed["rows"]) > 1:
         lines += ["## By drafter (τ / SR, means over datasets)", "", *drafter_table_markdown(crossed), ""]
-        lines += [f"## Paired τ: {_drafter_name(paired['candidate'])} minus each other drafter", "",
+        lines += [f"## Paired τ: {drafter_label(paired['candidate'])} minus each other drafter", "",
                   *paired_tau_markdown(paired), "",
                   "Mean ± standard error over the prompts both drafters ran, the same prompt, seed and setting.", ""]
     lines += ["## Details", ""]
@@ -407,7 +404,7 @@ def _colours(names: list[str]) -> dict[str, tuple]:
 
 def _series_name(cell: dict) -> str:
     auto = " · auto" if isinstance(cell["budget"], str) else ""  # auto:B sits at its cap B on the budget axis
-    return f"{_drafter_name(cell['drafter'])}{auto} · {cell['verifier']} · T={cell['temperature']:g}"
+    return f"{drafter_label(cell['drafter'])}{auto} · {cell['verifier']} · T={cell['temperature']:g}"
 
 
 def _plot_stages(cells: list[dict], ar: dict):
@@ -473,15 +470,6 @@ def _setting_labels(table: dict) -> list[str]:
 
 def _markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in body]
-
-
-def _drafter_name(spec: str) -> str:
-    """"dflash", "ngram", a checkpoint folder's name (its run's name for a run's `final` folder), or "chain:" and
-    one of those."""
-    inner, chained = split_chain(spec)
-    folder = Path(inner)
-    name = folder.parent.name if folder.name == "final" and folder.parent.name else folder.name
-    return CHAIN_PREFIX + name if chained else name
 
 
 def _quartiles(values: list) -> list[float] | None:

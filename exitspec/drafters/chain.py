@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from exitspec.drafters.base import Drafter
 from exitspec.tree import DraftTree
 
@@ -12,6 +14,15 @@ def split_chain(spec: str) -> tuple[str, bool]:
     """("dflash", True) for "chain:dflash"; (spec, False) for any other spec."""
     spec = str(spec)
     return (spec[len(CHAIN_PREFIX) :], True) if spec.startswith(CHAIN_PREFIX) else (spec, False)
+
+
+def drafter_label(spec: str) -> str:
+    """A drafter spec for tables and legends: "dflash", "ngram", a checkpoint folder's name (its run's name for
+    a run's `final` folder), or "chain:" and one of those."""
+    inner, chained = split_chain(spec)
+    folder = Path(inner)
+    name = folder.parent.name if folder.name == "final" and folder.parent.name else folder.name
+    return CHAIN_PREFIX + name if chained else name
 
 
 class ChainDrafter:

@@ -39,6 +39,7 @@ class Acceptance:
     tau_stderr: float  # standard error of that mean over anchors
     reach_by_depth: list[float]  # [H+1] mean Σ_{u at depth d} P(u): P(a round accepts >= d draft tokens)
     exit_by_depth: list[float]  # [H+1] mean Σ_{v at depth d} w(v): where the target leaves the tree
+    tau_by_sequence: dict[str, float]  # rollout id -> mean 1 + C_p over its anchors (paired comparisons, paired.py)
 
 
 @torch.no_grad()
@@ -67,34 +68,43 @@ def measure_acceptance(
     for position in range(0, len(data), batch_size):
         count = min(batch_size, len(data) - position)
         ids, starts, lengths = data.batch(position, 0, count)  # one epoch: every sequence once
+        keys = data.keys_at(position, 0, count)
         picked, keep = sample_anchors(starts, lengths, anchors, gen)
         ids, lengths, picked, keep = (x.to(device) for x in (ids, lengths, picked, keep))
         features = target_features(target, ids, lengths, drafter.config.target_layer_ids)  # [B, L, F]
         draft_logits = objective.head.expand(objective.draft_logits(ids, features, picked))  # [B, N, H, V]
         kept = keep.flatten()  # [B*N]
+        sequence = [key for key in keys for _ in range(keep.shape[1])]  # [B*N]: each tree's rollout id
         for budget in budgets:
             trees = build_anchor_trees(draft_logits, ids.gather(1, picked), keep, budget)  # [B*N, M]
             logits = tree_logits(target, ids, picked, trees)  # [B*N, M, V]
             for temperature in temperatures:
                 flow = tree_flow(trees, target_probs(logits, SamplingParams(temperature)), check=False)
-                sums[budget, temperature].add(flow.reach, flow.exit, trees.depths, kept)
+                sums[budget, temperature].add(flow.reach, flow.exit, trees.depths, kept, sequence)
         bar.update(count)
     bar.close()
     return [sums[b, t].result(b, t) for b in budgets for t in temperatures]
 
 
 class _Sums:
-    """Running sums over anchors of 1 + C_p, its square, and reach / exit mass per depth."""
+    """Running sums over anchors of 1 + C_p, its square, its sum and count per sequence, and reach / exit mass
+    per depth."""
 
     def __init__(self, horizon: int, device):
         self.n, self.tau, self.tau_sq = 0, 0.0, 0.0
+        self.by_sequence: dict[str, list[float]] = {}  # rollout id -> [Σ (1 + C_p), anchors]
         self.reach = torch.zeros(horizon + 1, dtype=torch.float64, device=device)  # [H+1]
         self.exit = torch.zeros(horizon + 1, dtype=torch.float64, device=device)  # [H+1]
 
-    def add(self, reach: Tensor, exit_mass: Tensor, depths: Tensor, kept: Tensor) -> None:
-        """reach, exit_mass, depths [T, M] (tree_flow gives padded slots no mass); kept [T]: the anchors that count."""
+    def add(self, reach: Tensor, exit_mass: Tensor, depths: Tensor, kept: Tensor, sequence: list[str]) -> None:
+        """reach, exit_mass, depths [T, M] (tree_flow gives padded slots no mass); kept [T]: the anchors that count;
+        sequence [T]: the rollout id of each tree."""
         reach, exit_mass, depths = reach[kept], exit_mass[kept], depths[kept]
         tau = 1.0 + reach[:, 1:].sum(dim=1).double()  # [T']
+        for key, value in zip((k for k, keep in zip(sequence, kept.tolist()) if keep), tau.tolist()):
+            total = self.by_sequence.setdefault(key, [0.0, 0])
+            total[0] += value
+            total[1] += 1
         self.n += int(tau.numel())
         self.tau += float(tau.sum())
         self.tau_sq += float(tau.square().sum())
@@ -109,4 +119,5 @@ class _Sums:
         stderr = (var / max(self.n - 1, 1)) ** 0.5
         reach = [round(float(x) / self.n, 5) for x in self.reach]
         exits = [round(float(x) / self.n, 5) for x in self.exit]
-        return Acceptance(budget, temperature, self.n, mean, stderr, reach, exits)
+        by_sequence = {key: total / count for key, (total, count) in self.by_sequence.items()}
+        return Acceptance(budget, temperature, self.n, mean, stderr, reach, exits, by_sequence)

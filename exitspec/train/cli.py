@@ -24,11 +24,14 @@ from exitspec.app import (
     resolve_dtype,
 )
 from exitspec.drafters import drafter_folder, split_chain
+from exitspec.drafters.chain import drafter_label
 from exitspec.models import load_model_and_tokenizer, model_config, model_name
+from exitspec.paired import paired_cell
 from exitspec.train import dist
 from exitspec.train.acceptance import measure_acceptance
 from exitspec.train.config import TrainConfig
 from exitspec.train.dflash_loss import DFlashObjective
+from exitspec.train.eval_report import exit_rows, paired_rows, plot_exits
 from exitspec.train.features import cache_features
 from exitspec.train.heldout import make_heldout
 from exitspec.train.online import training_prompts
@@ -73,8 +76,10 @@ def check_training_memory(model, batch_size: int, anchors: int, block_size: int,
 
 
 def run_eval_command(args) -> int:
-    """`exitspec train eval`: a table of E[τ] per drafter, dataset, budget and temperature."""
+    """`exitspec train eval`: a table of E[τ] per drafter, dataset, budget and temperature; with several
+    drafters, the last one paired with each other one by prompt, and where the target leaves each one's trees."""
     rows = run_eval(args)
+    console = Console(width=160)
     table = Table(title="Held-out E[τ] = 1 + C_p (± s.e.), and P(accept >= d) by depth d")
     for col in ("drafter", "dataset", "B", "T", "anchors", "E[τ]", "P(>=d), d = 1, 2, ..."):
         table.add_column(col, justify="left" if col in ("drafter", "dataset") else "right")
@@ -83,11 +88,34 @@ def run_eval_command(args) -> int:
             r["drafter"], r["dataset"], str(r["budget"]), f"{r['temperature']:g}", str(r["trees"]),
             f"{r['tau']:.3f} ± {r['tau_stderr']:.3f}", " ".join(f"{x:.2f}" for x in r["reach_by_depth"][1:]),
         )
-    Console(width=160).print(table)
+    console.print(table)
+    paired, exits = paired_rows(rows), exit_rows(rows)
+    if paired:
+        table = Table(title=f"Paired by prompt: {drafter_label(paired[0]['candidate'])} minus each other drafter, "
+                            "E[τ] difference ± s.e. [95% bootstrap interval], relative change [interval]")
+        for col in ("minus", "dataset", "B", "T", "prompts", "difference", "relative"):
+            table.add_column(col, justify="left" if col in ("minus", "dataset") else "right")
+        for p in paired:
+            relative = f"{100 * p['relative']:+.1f}%"
+            if p["relative_ci95"] is not None:
+                relative += " [{:+.1f}%, {:+.1f}%]".format(*(100 * x for x in p["relative_ci95"]))
+            table.add_row(drafter_label(p["other"]), p["dataset"], str(p["budget"]), f"{p['temperature']:g}",
+                          str(p["pairs"]), paired_cell(p), relative)
+        console.print(table)
+    table = Table(title="Where the target leaves the tree: mean exit mass w by depth, all datasets (depth 0: root)")
+    for col in ("drafter", "B", "T", "E[τ]", "w at depth 0, 1, 2, ..."):
+        table.add_column(col, justify="left" if col == "drafter" else "right")
+    for e in exits:
+        table.add_row(drafter_label(e["drafter"]), str(e["budget"]), f"{e['temperature']:g}", f"{e['tau']:.3f}",
+                      " ".join(f"{x:.3f}" for x in e["exit_by_depth"]))
+    console.print(table)
+    if args.plot:
+        plot_exits(exits, args.plot)
+        print(f"wrote {args.plot}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items() if k != "run"},
-                                        "rows": rows}, indent=1) + "\n")
+                                        "rows": rows, "paired": paired, "exit_by_depth": exits}, indent=1) + "\n")
     return 0
 
 
