@@ -8,6 +8,7 @@ the target's greedy output token for token.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,9 +107,27 @@ def sample_rows(probs: Tensor, generator: torch.Generator | None = None) -> Tens
     A cumulative sum and a binary search per row; several times faster than torch.multinomial on CPU.
     The draw is clamped to the last token with positive mass so that rounding can never pick a zero.
     """
-    cdf = torch.cumsum(probs, dim=-1)  # [..., V]
+    return sample_cdf(torch.cumsum(probs, dim=-1), generator)
+
+
+def sample_list(weights: list[float], generator: torch.Generator | None = None) -> int:
+    """sample_rows for one row of a few dozen weights held in a Python list (a tree's exit masses), where the
+    loop costs less than a tensor's cumulative sum and search; never an index of zero weight."""
+    device = generator.device if generator is not None else None
+    u = float(torch.rand(1, generator=generator, device=device)) * sum(weights)
+    last = 0
+    for i, w in enumerate(weights):
+        if w > 0:
+            last, u = i, u - w
+            if u < 0:
+                return i
+    return last
+
+
+def sample_cdf(cdf: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """sample_rows from the cumulative sums cdf [..., V] of unnormalised weights → [...] int64."""
     total = cdf[..., -1:].contiguous()  # [..., 1]
-    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * total
+    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype) * total
     drawn = torch.searchsorted(cdf, u, right=True)
     last_positive = torch.searchsorted(cdf, total, right=False)
     return torch.minimum(drawn, last_positive).squeeze(-1)
@@ -122,7 +141,9 @@ class WarpedRows:
 
     def __init__(self, logits: Tensor, params: SamplingParams):
         self.logits, self.params = logits, params  # [N+1, V]
+        self.plain = not (params.greedy or params.top_k or params.top_p < 1.0)  # temperature alone: p = softmax(l/T)
         self._rows: dict[int, Tensor] = {}
+        self._log_norm: dict[int, float] = {}  # plain rows whose logsumexp(l/T) `edges` computed
         self._all: Tensor | None = None
 
     def rows(self, nodes: Sequence[int]) -> Tensor:
@@ -137,15 +158,43 @@ class WarpedRows:
 
         Without top-k or top-p, p_v(x) = exp(l_v(x)/T − logsumexp(l_v/T)): one reduction per distinct row and
         nothing of width V written, instead of the warped rows; those are read only where a filter needs them."""
-        params = self.params
         unique, inverse = torch.unique(rows, return_inverse=True)  # [P], [n]
-        if params.greedy or params.top_k or params.top_p < 1.0:
+        if not self.plain:
             return self.rows(unique.tolist())[inverse, tokens]
-        scaled = self.logits[unique].float().div_(params.temperature)  # [P, V], a fresh copy (advanced indexing)
+        scaled = self.logits[unique].float()  # [P, V], a fresh copy (advanced indexing)
+        if self.params.temperature != 1.0:
+            scaled.div_(self.params.temperature)
         log_norm = torch.logsumexp(scaled, dim=-1)  # [P]
-        if not bool(torch.isfinite(log_norm).all()):  # NaN, +inf and all −inf rows, with no pass of their own
+        values = log_norm.tolist()
+        if not all(map(math.isfinite, values)):  # NaN, +inf and all −inf rows, with no pass of their own
             check_logits(scaled)
+        self._log_norm.update(zip(unique.tolist(), values))
         return torch.exp(scaled[inverse, tokens] - log_norm[inverse])
+
+    def draw_residual(self, node: int, removed: Tensor, generator: torch.Generator | None = None) -> int | None:
+        """One draw from p_node with the tokens `removed` [k] taken out: the bonus of an exit at `node` (its
+        residual, Eq. 3's rho(node) as its mass); None when no mass is left.
+
+        Under temperature alone the draw reads p_node ∝ exp(l/T − c) straight from the logits, with c the row's
+        logsumexp when `edges` already has it (the node has children) and its maximum otherwise: two or three
+        passes over the row and one cumulative sum, where warping the row first took six."""
+        if self.plain and node not in self._rows:
+            row, t = self.logits[node].float(), self.params.temperature  # [V]
+            shift = self._log_norm.get(node)  # logsumexp(l/T)
+            if shift is None:  # a leaf: shift by the row maximum, which also screens NaN, +inf and all −inf rows
+                top = float(row.amax())
+                if not math.isfinite(top):
+                    check_logits(row)
+                shift = top / t
+            weights = row - shift * t  # [V], a fresh tensor
+            if t != 1.0:
+                weights.div_(t)
+            weights.exp_()
+        else:
+            weights = self.rows([node])[0]  # [V], a fresh copy: rows() stacks
+        weights[removed] = 0.0
+        cdf = torch.cumsum(weights, dim=-1)  # [V]
+        return int(sample_cdf(cdf, generator)) if bool(cdf[-1] > 0) else None
 
     def all(self) -> Tensor:
         """[N+1, V]: every row (what predraw, sequential and greedy read), in one warp when none was read yet."""

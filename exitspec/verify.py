@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from exitspec.flow import TreeFlow, node_residual, tree_flow
-from exitspec.sampling import SamplingParams, WarpedRows, sample_rows, target_probs
+from exitspec.sampling import SamplingParams, WarpedRows, sample_list, sample_rows, target_probs
 from exitspec.tree import DraftTree
 
 
@@ -107,13 +107,12 @@ def decide_tev(
 def decide_tev_rows(tree: DraftTree, rows: WarpedRows, generator: torch.Generator | None, flow: TreeFlow) -> Verdict:
     """decide_tev on lazily warped rows: flow = parent_row_flow(tree, rows); only the exit node's row is
     warped beyond the parents'. The decode loop's TEV path: the same law, about half the warp."""
-    exit_mass = flow.exit.clone()  # [N+1]
+    exit_mass = flow.exit.tolist()  # [N+1]
     while True:
-        node = int(sample_rows(exit_mass, generator))
-        residual = rows.rows([node])[0]  # [V], a fresh copy: rows() stacks
-        residual[tree.tokens[tree.children[node]]] = 0.0
-        if bool(residual.sum() > 0):
-            return Verdict(tree.path(node), int(sample_rows(residual, generator)))
+        node = sample_list(exit_mass, generator)
+        bonus = rows.draw_residual(node, tree.tokens[tree.children[node]], generator)
+        if bonus is not None:
+            return Verdict(tree.path(node), bonus)
         exit_mass[node] = 0.0
 
 

@@ -47,13 +47,17 @@ def test_verifier_matches_exit_law(name, params):
 
 
 @pytest.mark.parametrize("params", LAW_PARAMS, ids=["t1", "top_p0.9"])
-def test_tev_on_lazily_warped_rows_matches_exit_law(params):
+@pytest.mark.parametrize("filtered", [False, True], ids=["plain", "filter-path"])
+def test_tev_on_lazily_warped_rows_matches_exit_law(params, filtered):
     """The decode loop's TEV (parent_row_flow + decide_tev_rows) keeps the law: probs enter as log-probs, which
-    the plain warp turns back into the same distribution (zeros become masked -inf entries)."""
+    the plain warp turns back into the same distribution (zeros become masked -inf entries). top_k = V filters
+    nothing but takes the path of a filtered warp (whole rows warped, then read)."""
     tree, probs = law_case(12, params)
+    warp = SamplingParams(1.0, top_k=probs.shape[-1] if filtered else 0)
 
     def lean(tree, probs, gen):
-        rows = WarpedRows(probs.log(), SamplingParams(1.0))
+        rows = WarpedRows(probs.log(), warp)
+        assert rows.plain != filtered
         return decide_tev_rows(tree, rows, gen, parent_row_flow(tree, rows))
 
     result = check_law("tev-rows", lean, tree, probs, params, DRAWS, seed=4)
