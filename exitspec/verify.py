@@ -105,8 +105,9 @@ def decide_tev(
 
 
 def decide_tev_rows(tree: DraftTree, rows: WarpedRows, generator: torch.Generator | None, flow: TreeFlow) -> Verdict:
-    """decide_tev on lazily warped rows: flow = parent_row_flow(tree, rows); only the exit node's row is
-    warped beyond the parents'. The decode loop's TEV path: the same law, about half the warp."""
+    """decide_tev on lazily warped rows: flow = parent_row_flow(tree, rows); beyond the parents' rows only the
+    exit node's row is read, for its residual draw (WarpedRows.draw_residual). The decode loop's TEV path: the
+    same law without a warp of all N+1 rows, and the tree's few dozen exit masses drawn from as a Python list."""
     exit_mass = flow.exit.tolist()  # [N+1]
     while True:
         node = sample_list(exit_mass, generator)
