@@ -19,9 +19,9 @@ order so drift and cache effects hit all of them alike, synchronising the device
 call gets a fresh DraftTree view of the same tensors: as in the decode loop, whatever tree structure a
 verifier needs (the ancestor matrix, the child lists) is computed inside its decision. Reported: medians
 over all repeats and pairs, speedup = predraw / TEV, and the whole verify stage: warp + decision per call
-for predraw; for TEV the decode loop's stage, which warps only the rows it reads (WarpedRows: the parents'
-rows for the edge probabilities, then the exit node's row for its residual), with the full warp + TEV
-decision beside it.
+for predraw; for TEV the decode loop's stage, which reads only the rows it needs (WarpedRows: one logsumexp
+per parent row for the edge probabilities, then the exit node's row for its residual draw), with the full
+warp + TEV decision beside it.
 On a CPU shared with other work, multi-threaded kernels wait on descheduled threads; `--threads 1` then
 measures the code rather than the scheduler.
 
@@ -224,7 +224,7 @@ def print_tables(result: dict, console: Console) -> None:
     for col in ("B", "N", "T", "C_p", "predraw", "TEV", "speedup", "seq", "greedy@T0"):
         decision.add_column(col, justify="right")
     stage = Table(
-        title="Verify stage = warp (target_probs) + decision: median ms; TEV warps only the rows it reads",
+        title="Verify stage = warp (target_probs) + decision: median ms; TEV reads only the rows it needs",
         caption="check_probs: the input check of the public tree_flow/verify, which the decode loop skips",
     )
     for col in ("B", "T", "warp", "warp+predraw", "TEV stage", "speedup", "full warp+TEV", "check_probs"):
