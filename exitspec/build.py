@@ -168,10 +168,9 @@ def merge_best_first(
 
 
 def _validated_tree(parents: list[int], tokens: list[int], depths: list[int], device, scores=None) -> DraftTree:
-    """Validates the tree on the CPU, then moves it to `device` in one copy per tensor."""
+    """The tree, validated on the CPU as it is made, then moved to `device` in one copy per tensor."""
     tree = DraftTree(
         *(torch.tensor(x, dtype=torch.long) for x in (parents, tokens, depths)),
         None if scores is None else tuple(scores),
     )
-    tree.validate()
     return tree.to(device)

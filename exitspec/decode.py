@@ -26,7 +26,7 @@ from exitspec.budget import AutoBudget, CostModel
 from exitspec.drafters import Drafter, default_drafter
 from exitspec.flow import observed_reach, parent_row_flow, tree_flow
 from exitspec.options import budget_cap, parse_budget
-from exitspec.sampling import SamplingParams, WarpedRows, sample_rows, target_probs
+from exitspec.sampling import SamplingParams, WarpedRows
 from exitspec.target import TargetModel, synchronize
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS, Verdict, check_verifier, decide_tev_rows
@@ -297,7 +297,7 @@ class SpeculativeDecoder:
                     flow = tree_flow(tree, probs, check=False)
                     verdict = DECIDERS[verifier](tree, probs, generator, flow)
                 else:  # a root alone: every saturated verifier exits there (w = 1) and draws from p_root
-                    flow, verdict = None, Verdict([], int(sample_rows(rows.rows([0])[0], generator)))
+                    flow, verdict = None, Verdict([], rows.draw(0, generator))
             with timer("commit"):
                 target.commit(tree, verdict.path)
                 kept = [0, *verdict.path]
@@ -349,8 +349,7 @@ def generate_autoregressive(
         with timer("target"):
             logits = target.forward_tokens(torch.tensor([token], device=target.device)).logits  # [1, V]
         with timer("verify"):
-            probs = target_probs(logits[-1], params)  # [V]
-            token = int(sample_rows(probs, generator))
+            token = WarpedRows(logits[-1:], params).draw(0, generator)
         rounds.append(RoundStats(0, 0, run.emit([token]), 0.0))
     return _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
 

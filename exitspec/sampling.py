@@ -196,6 +196,10 @@ class WarpedRows:
         cdf = torch.cumsum(weights, dim=-1)  # [V]
         return int(sample_cdf(cdf, generator)) if bool(cdf[-1] > 0) else None
 
+    def draw(self, node: int, generator: torch.Generator | None = None) -> int:
+        """One draw from p_node: an autoregressive step's token, or the bonus of a round whose tree is its root."""
+        return self.draw_residual(node, self.logits.new_empty(0, dtype=torch.long), generator)
+
     def all(self) -> Tensor:
         """[N+1, V]: every row (what predraw, sequential and greedy read), in one warp when none was read yet."""
         if self._all is None:

@@ -1,4 +1,4 @@
-"""The prompt-lookup drafter: its vectorised search against a plain loop, and the trees it builds."""
+"""The prompt-lookup drafter: its search against a plain full-scan loop, and the trees it builds."""
 
 import pytest
 import torch

@@ -57,26 +57,23 @@ class NgramDrafter:
         context's last tokens (at most max_ngram); matches with m >= min_ngram count. They rank by m, then by
         recency, and weigh m + e / L, so a longer match outweighs any shorter one and ties favour recent text.
         """
-        ctx = context_ids.detach().to("cpu", torch.long)  # [L]
-        length = ctx.numel()
+        ctx = context_ids.tolist()  # [L]: a loop over a Python list beats a dozen tensor ops on a few hundred tokens
+        length = len(ctx)
         n = min(self.max_ngram, length - 1)
         if max_depth < 1 or n < self.min_ngram:
             return NgramProposal([], [], context_ids.device)
 
-        # windows[e] = the n tokens just before position e (left-padded with -1, which matches no token)
-        padded = torch.cat([ctx.new_full((n,), -1), ctx[:-1]])  # [n + L - 1]
-        windows = padded.unfold(0, n, 1)  # [L, n]
-        agrees = (windows == ctx[-n:]).flip(-1)  # [L, n], column j: the (j+1)-th token back agrees
-        match_len = agrees.cumprod(-1).sum(-1)  # [L]
-        starts = torch.nonzero(match_len >= self.min_ngram).flatten()  # [C] continuation starts, e <= L-1
-        order = (match_len[starts] * length + starts).argsort(descending=True)[: self.max_candidates]
-        starts = starts[order]  # [C'] longest match first, then most recent
-
-        positions = starts[:, None] + torch.arange(max_depth)  # [C', D]
-        tokens = ctx[positions.clamp(max=length - 1)].tolist()
-        counts = (length - starts).clamp(max=max_depth).tolist()  # tokens before the context ends
-        continuations = [row[:count] for row, count in zip(tokens, counts)]
-        weights = (match_len[starts] + starts.double() / length).tolist()
+        matches = []  # (m, e)
+        for e in [i + 1 for i, token in enumerate(ctx[:-1]) if token == ctx[-1]]:  # e <= L-1: ctx[e-1] agrees
+            m = 1
+            while m < n and m < e and ctx[e - 1 - m] == ctx[length - 1 - m]:
+                m += 1
+            if m >= self.min_ngram:
+                matches.append((m, e))
+        matches.sort(reverse=True)  # longest match first, then most recent
+        matches = matches[: self.max_candidates]
+        continuations = [ctx[e : e + max_depth] for _, e in matches]  # each stops where the context ends
+        weights = [m + e / length for m, e in matches]
         return NgramProposal(continuations, weights, context_ids.device)
 
     def trie(self, proposal: NgramProposal, root_token: int, budget: int) -> DraftTree:
