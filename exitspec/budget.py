@@ -9,10 +9,16 @@ the builder's nodes u_1, u_2, ... in best-first order and P̂(u_k) the calibrate
 
 N is fixed before the target sees the tree, so exactness is untouched; N = 0 is a plain autoregressive step.
 
-The cost side. `CostModel` is the target stage's seconds against N, measured at start-up over a grid of
-tree sizes on the running device (one file per model, device, dtype, backend and thread count in
-exitspec's cache, so later runs skip it) and corrected online: every round's measured target-stage time
-updates a running ratio of measured to predicted seconds, which follows context length and machine load.
+The cost side. `CostModel` is the target stage's seconds against N, measured at start-up at every tree size
+up to DENSE and on a grid beyond, on the running device (one file per model, device, dtype, backend and
+thread count in exitspec's cache, so later runs skip it), and corrected online: every round's measured
+target-stage time updates a running ratio of measured to predicted seconds, which follows context length
+and machine load. The measured cost need not grow with N: a CPU BLAS picks its kernel by the number of
+rows, and on 2 cores MKL runs SmolLM2-135M's weight products on 4–16 rows far below its one-row speed
+(13 rows cost more than 17). So each size is measured twice, with the weights whole and in cache-sized
+panels (lean.LeanLlama.linear), and a tree of N tokens runs its weight products the cheaper way, on the
+rows of the cheapest measured size at or above N (`row_plan`, handed to the lean forward); it costs what
+that size costs.
 
 Which source to draft from. A round that runs the drafter's model (DFlash's block forward) pays its cost
 before it knows its tree; a cheap round drafts from prompt lookup alone. Each kind keeps a running mean of
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -37,24 +44,41 @@ import torch
 from exitspec.target import synchronize
 from exitspec.tree import DraftTree
 
-GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DENSE = 32  # every tree size up to this is measured
+SPARSE = (48, 64, 96, 128, 192, 256)  # and these beyond it
+PAD_GAIN = 0.05  # a tree runs on a bigger size's rows only if that size is measured this much cheaper
 EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 256
-MEASURE_VERSION = 2  # part of the cost cache's key: files from an older `measure` are measured again
+MEASURE_VERSION = 3  # part of the cost cache's key: files from an older `measure` are measured again
 
 
 @dataclass
 class CostModel:
-    """Seconds of the target stage for a tree of N draft tokens: a measured grid, linear in between."""
+    """Seconds of the target stage for a tree of N draft tokens: measured sizes, linear in between."""
 
     sizes: list[int]
     seconds: list[float]
     ratio: float = 1.0  # running mean of measured / predicted seconds
     smoothing: float = 0.1
+    panels: list[bool] | None = None  # per size: measured cheaper with the weights in panels (None: never)
+    padded: list[int] = field(init=False)  # padded[i]: the index of the size whose rows a tree of sizes[i] runs on
+
+    def __post_init__(self):
+        self.panels = self.panels or [False] * len(self.sizes)
+        self.padded = []
+        for i, own in enumerate(self.seconds):
+            j = min(range(i, len(self.sizes)), key=self.seconds.__getitem__)  # the cheapest size at or above
+            self.padded.append(j if self.seconds[j] < (1 - PAD_GAIN) * own else i)
+
+    def row_plan(self) -> dict[int, tuple[int, bool]]:
+        """{rows of a tree: (rows its weight products run on, in panels)} wherever that is not (rows, whole)."""
+        plan = {self.sizes[i] + 1: (self.sizes[j] + 1, self.panels[j]) for i, j in enumerate(self.padded)}
+        return {rows: how for rows, how in plan.items() if how != (rows, False)}
 
     def base(self, n: int) -> float:
-        """The measured seconds at N, linear between grid sizes and along the last segment beyond them."""
-        sizes, seconds = self.sizes, self.seconds
+        """The measured seconds at N (of the size it runs as), linear between sizes and along the last segment
+        beyond them."""
+        sizes, seconds = self.sizes, [self.seconds[j] for j in self.padded]
         if len(sizes) == 1:
             return seconds[0]
         i = min(max(bisect.bisect_left(sizes, n), 1), len(sizes) - 1)  # the segment [i-1, i] holding n
@@ -67,15 +91,17 @@ class CostModel:
         self.ratio += self.smoothing * (seconds / self.base(n) - self.ratio)
 
     @classmethod
-    def measure(cls, target, max_size: int, context: int = 256, repeats: int = 5) -> CostModel:
-        """Times forward + commit of chain trees of each grid size up to max_size after `context` cached tokens.
+    def measure(cls, target, max_size: int, context: int = 256, repeats: int = 3) -> CostModel:
+        """Times forward + commit of chain trees of each size up to max_size (all up to DENSE, then SPARSE)
+        after `context` cached tokens, with the weights whole and in panels (on the lean forward).
 
         Chains have the largest depth for their size, so positions and mask are the dearest case. One pass over
-        the whole grid warms every shape up; then each size keeps the fastest of `repeats` runs, since other
+        all sizes warms every shape up; then each size and way keeps the fastest of `repeats` runs, since other
         work on the machine only ever adds time (a median taken under load once made one extra token look 40%
-        dearer, and `auto` then never drafted). The target's cache is reset afterwards.
+        dearer, and `auto` then never drafted). The target's cache and row plan are reset afterwards.
         """
-        sizes = [n for n in GRID if n <= max_size] + ([max_size] if max_size not in GRID else [])
+        sizes = sorted({*range(min(max_size, DENSE) + 1), *(n for n in SPARSE if n <= max_size), max_size})
+        ways = (False, True) if target.use_row_plan({}) else (False,)  # whole weights, then panels
         device = target.device
         context = max(1, min(context, target.max_context - max(sizes) - 2))
         ids = torch.arange(context, device=device) % target.vocab_size
@@ -83,8 +109,9 @@ class CostModel:
         target.prefill(ids)
         trees = [DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=device) for n in sizes]
         for runs in (1, repeats):  # the warm-up pass, then the timed one
-            seconds = []
-            for tree in trees:
+            seconds = {way: [] for way in ways}
+            for tree, way in itertools.product(trees, ways):
+                target.use_row_plan({tree.size: (tree.size, way)})
                 best = float("inf")
                 for _ in range(runs):
                     synchronize(device)
@@ -94,9 +121,11 @@ class CostModel:
                     synchronize(device)
                     best = min(best, time.perf_counter() - start)
                     target.truncate(context)  # back to the same context for the next run
-                seconds.append(best)
+                seconds[way].append(best)
         target.reset()
-        return cls(sizes, seconds)
+        target.use_row_plan({})
+        panels = [len(ways) > 1 and s < w for w, s in zip(seconds[False], seconds[ways[-1]])]
+        return cls(sizes, [min(s) for s in zip(*seconds.values())], panels=panels)
 
     @classmethod
     def cached(cls, target, max_size: int) -> CostModel:
@@ -111,13 +140,13 @@ class CostModel:
         if path.is_file():
             try:
                 data = json.loads(path.read_text())
-                return cls(data["sizes"], data["seconds"])
+                return cls(data["sizes"], data["seconds"], panels=data["panels"])
             except (ValueError, KeyError):
                 pass  # a damaged file is measured again and replaced
         model = cls.measure(target, max_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"sizes": model.sizes, "seconds": model.seconds}))
+        tmp.write_text(json.dumps({"sizes": model.sizes, "seconds": model.seconds, "panels": model.panels}))
         tmp.replace(path)
         return model
 

@@ -229,7 +229,8 @@ def _add_latency(p: argparse.ArgumentParser) -> None:
     """`exitspec latency`'s own options; the model and common options come from app's shared groups."""
     p.add_argument("--stage", choices=("verify", "forward"), default="verify",
                    help="verify: the verifier decision and stage, predraw vs TEV (table 3); forward: the target's "
-                        "tree forward + commit against N, transformers' forward vs the lean one (bench/forward.py)")
+                        "tree forward + commit against N: transformers' forward, the lean one, and the lean one with `auto`'s row plan "
+                        "(bench/forward.py)")
     p.add_argument("--sizes", type=integer(0, MAX_BUDGET), nargs="+", default=[0, 1, 2, 4, 8, 16, 32, 64],
                    help="--stage forward: tree sizes N (0: the root alone, one decoding step)")
     p.add_argument("--context", type=integer(1), default=300, help="--stage forward: cached tokens before the tree")

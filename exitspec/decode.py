@@ -206,6 +206,7 @@ class SpeculativeDecoder:
         them), over the cap's cost model, measured (or read from the cache) on first use."""
         if cap not in self.costs:
             self.costs[cap] = CostModel.cached(self.target, cap)
+            self.target.use_row_plan(self.costs[cap].row_plan())
         if (cap, params) not in self._auto:
             self._auto[cap, params] = AutoBudget(self.costs[cap], cap)
         return self._auto[cap, params]

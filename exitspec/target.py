@@ -169,6 +169,15 @@ class TargetModel:
         self._len = 0
         self._pending: DraftTree | None = None  # a tree whose K/V sit in the cache, awaiting commit
 
+    def use_row_plan(self, plan: dict[int, tuple[int, bool]]) -> bool:
+        """Runs the weight products of n rows as plan[n] = (rows, in panels) says, where it names n (the lean
+        backend's `LeanLlama.linear`). Logits and features are unchanged but for rounding. False where the
+        backend has no such choice (transformers' forward), which then ignores the plan."""
+        if isinstance(self.backend, LeanLlama):
+            self.backend.row_plan = dict(plan)
+            return True
+        return False
+
     def truncate(self, length: int) -> None:
         """Drops the committed tokens after the first `length` (a rollback; a pending tree must be committed)."""
         self._check_idle()

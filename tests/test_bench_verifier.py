@@ -34,7 +34,7 @@ def test_rejects_bad_arguments(capsys):
 
 
 def test_forward_stage_json(tmp_path):
-    """--stage forward on a tiny Llama: both backends, chain and tree shapes, each size, ratios to the root alone."""
+    """--stage forward on a tiny Llama: all backends, chain and tree shapes, each size, ratios to the root alone."""
     from tiny_models import save_tiny_llama
 
     from exitspec.bench.forward import bushy_tree
@@ -48,7 +48,7 @@ def test_forward_stage_json(tmp_path):
     assert [(r["n"], r["shape"]) for r in result["rows"]] == [
         (0, "chain"), (0, "tree"), (3, "chain"), (3, "tree"), (6, "chain"), (6, "tree")]
     for row in result["rows"]:
-        for backend in ("transformers", "lean"):
+        for backend in ("transformers", "lean", "lean+plan"):
             assert row[backend]["ms"] > 0 and row[backend]["steps"] > 0
     assert result["rows"][0]["lean"]["steps"] == 1.0
     tree = bushy_tree(6, 1, 32, "cpu")

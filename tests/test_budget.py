@@ -40,6 +40,15 @@ def test_cost_model_interpolates_and_follows_measurements():
     assert cost.ratio == pytest.approx(2.0) and cost(16) == pytest.approx(4.8)
 
 
+def test_a_tree_runs_on_the_rows_of_a_cheaper_bigger_size():
+    # 2 draft tokens measured dearer than 3 (a BLAS slow at that row count), 1 barely dearer than 3: only 2 pads
+    cost = CostModel([0, 1, 2, 3, 4], [1.0, 1.5, 2.0, 1.52, 2.5])
+    assert cost.padded == [0, 1, 3, 3, 4] and cost.row_plan() == {3: (4, False)}  # rows = N + 1
+    panels = CostModel([0, 1, 2], [1.0, 2.0, 1.8], panels=[False, False, True])
+    assert panels.row_plan() == {2: (3, True), 3: (3, True)}  # 1 draft token runs as 2, in panels
+    assert cost(2) == cost(3) == pytest.approx(1.52) and cost(1) == 1.5
+
+
 def test_best_size_maximises_expected_tokens_per_second():
     cost = CostModel([0, 10], [1.0, 2.0])  # each node costs a tenth of a step
     scores = (1.0, 0.9, 0.8, 0.3, 0.05, 0.01)
@@ -54,11 +63,13 @@ def test_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("EXITSPEC_CACHE", str(tmp_path))
     target = TargetModel(tiny_llama(32))
     first = CostModel.cached(target, 8)
-    assert first.sizes == [0, 1, 2, 3, 4, 6, 8] and all(s > 0 for s in first.seconds)
-    assert target.cache_len == 0  # the measurement leaves the target empty
+    assert first.sizes == list(range(9)) and all(s > 0 for s in first.seconds)
+    assert target.cache_len == 0 and target.backend.row_plan == {}  # the measurement leaves the target as it was
+    assert len(first.panels) == len(first.sizes)  # each size measured with whole weights and in panels
     (path,) = (tmp_path / "costs").iterdir()
-    path.write_text(json.dumps({"sizes": [0, 8], "seconds": [1.0, 2.0]}))
-    assert CostModel.cached(target, 8).seconds == [1.0, 2.0]  # read back, not re-measured
+    path.write_text(json.dumps({"sizes": [0, 8], "seconds": [1.0, 2.0], "panels": [False, True]}))
+    again = CostModel.cached(target, 8)  # read back, not re-measured
+    assert again.seconds == [1.0, 2.0] and again.row_plan() == {9: (9, True)}
     assert CostModel.cached(target, 4).sizes == [0, 1, 2, 3, 4]  # another cap is another entry
 
 

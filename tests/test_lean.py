@@ -10,6 +10,7 @@ from test_target import ATOL, V, assert_tree_logits, random_tree
 from tiny_models import tiny_llama
 from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config, Qwen3Config
 
+from exitspec import lean
 from exitspec.lean import LeanLlama, supports
 from exitspec.target import TargetModel, TransformersForward
 
@@ -59,6 +60,29 @@ def test_lean_matches_transformers(name, model):
         for i in range(model.config.num_hidden_layers):
             for mine, theirs in zip(lean.kv(i), reference.kv(i)):
                 torch.testing.assert_close(mine, theirs, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("panels", [False, True])
+def test_a_row_plan_changes_nothing_but_rounding(panels, monkeypatch):
+    """Weight products run on more rows (zeros appended), whole or in panels of a few output rows, give the
+    same logits, features and cache."""
+    monkeypatch.setattr(lean, "PANEL_ROWS", 5)
+    model = tiny_llama(V)
+    rng = random.Random(1)
+    prefix = torch.tensor([rng.randrange(V) for _ in range(5)])
+    plain, planned = (TargetModel(model, feature_layers=(0,), backend="lean") for _ in range(2))
+    assert planned.use_row_plan({n: (n + 3 * (n % 2), panels) for n in range(1, 40)})
+    for target in (plain, planned):
+        target.prefill(prefix)
+    for _ in range(3):
+        tree = random_tree(rng, root=rng.randrange(V))
+        out, ref = planned.forward_tree(tree), plain.forward_tree(tree)
+        torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(out.features, ref.features, atol=ATOL, rtol=ATOL)
+        path = tree.path(rng.randrange(tree.size))
+        for target in (plain, planned):
+            target.commit(tree, path)
+    torch.testing.assert_close(planned.kv(1)[0], plain.kv(1)[0], atol=ATOL, rtol=ATOL)
 
 
 def test_fused_weights_are_shared_not_copied():

@@ -3,11 +3,12 @@
     exitspec latency --stage forward [--sizes 0 1 2 4 8 16 32 64] [--context 300] [--repeats 7]
 
 For each N, a chain of N draft tokens (the deepest tree, as a peaked drafter's DDTree tends to be) and a
-balanced binary tree of N nodes (`bushy_tree`, as a flat drafter's is) go through `forward_tree` + `commit` after `context` cached tokens, on transformers' own forward ("before")
-and on the lean Llama-family forward ("after"), alternated per size so load drift hits both alike. N = 0 is
-the root alone: one decoding step, the unit of the ratios. Reported: median milliseconds and ratio to that
-backend's own step. The decode loop's `--budget auto` measures the same stage for its cost model
-(budget.CostModel).
+balanced binary tree of N nodes (`bushy_tree`, as a flat drafter's is) go through `forward_tree` + `commit`
+after `context` cached tokens, on transformers' own forward, on the lean Llama-family forward, and on the
+lean forward with the row plan that `--budget auto` uses (its weight products of n rows run on the rows of
+the cheapest measured size at or above: budget.CostModel), alternated per size so load drift hits all alike.
+N = 0 is the root alone: one decoding step, the unit of the ratios. Reported: median milliseconds and ratio
+to that backend's own step.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from rich.console import Console
 from rich.table import Table
 
 from exitspec.app import load_decoders
+from exitspec.budget import CostModel
 from exitspec.lean import supports
 from exitspec.target import TargetModel, synchronize
 from exitspec.tree import DraftTree
 
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
-BACKENDS = ("transformers", "lean")
+BACKENDS = ("transformers", "lean", "lean+plan")
 
 
 def bushy_tree(size: int, root: int, vocab: int, device) -> DraftTree:
@@ -43,7 +45,10 @@ def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, co
     decoder = next(iter(load_decoders(model, ["ngram"], device, dtype, threads).values()))
     hf = decoder.target.model
     backends = [b for b in BACKENDS if b == "transformers" or supports(hf) is None]
-    targets = {b: TargetModel(hf, decoder.target.tokenizer, backend=b) for b in backends}
+    targets = {b: TargetModel(hf, decoder.target.tokenizer, backend=b.removesuffix("+plan")) for b in backends}
+    if "lean+plan" in targets:
+        planned = targets["lean+plan"]
+        planned.use_row_plan(CostModel.measure(planned, max(sizes)).row_plan())
     any_target = targets[backends[0]]
     context = max(1, min(context, any_target.max_context - max(sizes) - 2))
     ids = torch.arange(context, device=any_target.device) % any_target.vocab_size
