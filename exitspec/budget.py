@@ -46,7 +46,7 @@ from exitspec.tree import DraftTree
 
 DENSE = 32  # every tree size up to this is measured
 SPARSE = (48, 64, 96, 128, 192, 256)  # and these beyond it
-PAD_GAIN = 0.05  # a tree runs on a bigger size's rows only if that size is measured this much cheaper
+PLAN_GAIN = 0.05  # a tree runs another way (in panels, on more rows) only if it is measured this much cheaper
 EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 256
 MEASURE_VERSION = 3  # part of the cost cache's key: files from an older `measure` are measured again
@@ -68,7 +68,7 @@ class CostModel:
         self.padded = []
         for i, own in enumerate(self.seconds):
             j = min(range(i, len(self.sizes)), key=self.seconds.__getitem__)  # the cheapest size at or above
-            self.padded.append(j if self.seconds[j] < (1 - PAD_GAIN) * own else i)
+            self.padded.append(j if self.seconds[j] < (1 - PLAN_GAIN) * own else i)
 
     def row_plan(self) -> dict[int, tuple[int, bool]]:
         """{rows of a tree: (rows its weight products run on, in panels)} wherever that is not (rows, whole)."""
@@ -124,8 +124,8 @@ class CostModel:
                 seconds[way].append(best)
         target.reset()
         target.use_row_plan({})
-        panels = [len(ways) > 1 and s < w for w, s in zip(seconds[False], seconds[ways[-1]])]
-        return cls(sizes, [min(s) for s in zip(*seconds.values())], panels=panels)
+        panels = [len(ways) > 1 and s < (1 - PLAN_GAIN) * w for w, s in zip(seconds[False], seconds[ways[-1]])]
+        return cls(sizes, [seconds[p][i] for i, p in enumerate(panels)], panels=panels)
 
     @classmethod
     def cached(cls, target, max_size: int) -> CostModel:
