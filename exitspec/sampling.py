@@ -192,12 +192,18 @@ class WarpedRows:
             weights.exp_()
         else:
             weights = self.rows([node])[0]  # [V], a fresh copy: rows() stacks
-        weights[removed] = 0.0
+        if removed.numel():
+            weights[removed] = 0.0
         cdf = torch.cumsum(weights, dim=-1)  # [V]
         return int(sample_cdf(cdf, generator)) if bool(cdf[-1] > 0) else None
 
     def draw(self, node: int, generator: torch.Generator | None = None) -> int:
-        """One draw from p_node: an autoregressive step's token, or the bonus of a round whose tree is its root."""
+        """One draw from p_node: an autoregressive step's token, or the bonus of a round whose tree is its root.
+        A greedy row is one-hot at its first argmax, so that is the draw."""
+        if self.params.greedy:
+            row = self.logits[node]  # [V]
+            check_logits(row)
+            return int(row.argmax())
         return self.draw_residual(node, self.logits.new_empty(0, dtype=torch.long), generator)
 
     def all(self) -> Tensor:
