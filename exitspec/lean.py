@@ -166,8 +166,8 @@ class LeanLlama:
         if not panels:
             return F.linear(x, weight, bias)[:n]
         whole = weight.shape[0] // PANEL_ROWS * PANEL_ROWS  # output rows in full panels; the rest in one product
-        panels = weight[:whole].view(-1, PANEL_ROWS, weight.shape[1])  # [P, PANEL_ROWS, D_in]
-        out = torch.bmm(x.expand(panels.shape[0], *x.shape), panels.transpose(1, 2))  # [P, rows, PANEL_ROWS]
+        blocks = weight[:whole].view(-1, PANEL_ROWS, weight.shape[1])  # [P, PANEL_ROWS, D_in]
+        out = torch.bmm(x.expand(blocks.shape[0], *x.shape), blocks.transpose(1, 2))  # [P, rows, PANEL_ROWS]
         out = out.transpose(0, 1).reshape(rows, whole)  # [rows, whole]
         if whole < weight.shape[0]:
             out = torch.cat([out, F.linear(x, weight[whole:])], dim=1)  # [rows, D_out]
