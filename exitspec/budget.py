@@ -62,6 +62,7 @@ class CostModel:
     smoothing: float = 0.1
     panels: list[bool] | None = None  # per size: measured cheaper with the weights in panels (None: never)
     padded: list[int] = field(init=False)  # padded[i]: the index of the size whose rows a tree of sizes[i] runs on
+    effective: list[float] = field(init=False)  # effective[i]: the seconds of the size a tree of sizes[i] runs as
 
     def __post_init__(self):
         self.panels = self.panels or [False] * len(self.sizes)
@@ -69,6 +70,7 @@ class CostModel:
         for i, own in enumerate(self.seconds):
             j = min(range(i, len(self.sizes)), key=self.seconds.__getitem__)  # the cheapest size at or above
             self.padded.append(j if self.seconds[j] < (1 - PLAN_GAIN) * own else i)
+        self.effective = [self.seconds[j] for j in self.padded]
 
     def row_plan(self) -> dict[int, tuple[int, bool]]:
         """{rows of a tree: (rows its weight products run on, in panels)} wherever that is not (rows, whole)."""
@@ -78,7 +80,7 @@ class CostModel:
     def base(self, n: int) -> float:
         """The measured seconds at N (of the size it runs as), linear between sizes and along the last segment
         beyond them."""
-        sizes, seconds = self.sizes, [self.seconds[j] for j in self.padded]
+        sizes, seconds = self.sizes, self.effective
         if len(sizes) == 1:
             return seconds[0]
         i = min(max(bisect.bisect_left(sizes, n), 1), len(sizes) - 1)  # the segment [i-1, i] holding n

@@ -101,7 +101,7 @@ def decoder_layer(
     """One pre-norm decoder layer over rows x [..., n, D] (any leading dims); cos, sin broadcast against
     [..., H, n, hd]. `attend(q [..., H, n, hd], k, v [..., Hkv, n, hd])` stores k, v in its cache and returns
     the attention output [..., H, n, hd]: the caller owns the cache layout and the mask. `linear(x, weight,
-    bias)` computes the weight products (F.linear, or LeanLlama's row-padded one)."""
+    bias)` computes the weight products (F.linear, or LeanLlama.linear with its row plan)."""
     heads, kv_heads, hd = head_shape
     *lead, n, _ = x.shape
     qkv = linear(_rms(layer.input_norm, x), layer.qkv_weight, layer.qkv_bias)  # [..., n, (H+2Hkv)·hd]
