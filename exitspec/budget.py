@@ -49,7 +49,7 @@ SPARSE = (48, 64, 96, 128, 192, 256)  # and these beyond it
 PLAN_GAIN = 0.05  # a tree runs another way (in panels, on more rows) only if it is measured this much cheaper
 EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 256
-MEASURE_VERSION = 3  # part of the cost cache's key: files from an older `measure` are measured again
+MEASURE_VERSION = 4  # part of the cost cache's key: files from an older `measure` are measured again
 
 
 @dataclass
