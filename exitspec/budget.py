@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from exitspec.lean import panel_linear
 from exitspec.target import synchronize
 from exitspec.tree import DraftTree
 
@@ -49,7 +50,7 @@ SPARSE = (48, 64, 96, 128, 192, 256)  # and these beyond it
 PLAN_GAIN = 0.05  # a tree runs another way (in panels, on more rows) only if it is measured this much cheaper
 EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 256
-MEASURE_VERSION = 4  # part of the cost cache's key: files from an older `measure` are measured again
+MEASURE_VERSION = 5  # part of the cost cache's key: files from an older `measure` are measured again
 
 
 @dataclass
@@ -151,6 +152,23 @@ class CostModel:
         tmp.write_text(json.dumps({"sizes": model.sizes, "seconds": model.seconds, "panels": model.panels}))
         tmp.replace(path)
         return model
+
+
+def panels_pay(weight: torch.Tensor, rows: int, repeats: int = 5) -> bool:
+    """Whether `panel_linear` on `rows` rows through weight [D_out, D_in] is measured at least PLAN_GAIN cheaper
+    than F.linear on the weight's device (the fastest of `repeats` runs each, after one warm-up)."""
+    x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    seconds = []
+    for product in (torch.nn.functional.linear, panel_linear):
+        best = float("inf")
+        for _ in range(repeats + 1):
+            synchronize(weight.device)
+            start = time.perf_counter()
+            product(x, weight)
+            synchronize(weight.device)
+            best = min(best, time.perf_counter() - start)
+        seconds.append(best)
+    return seconds[1] < (1 - PLAN_GAIN) * seconds[0]
 
 
 def best_size(scores, cost: CostModel, draft_seconds: float, cap: int) -> int:
