@@ -15,8 +15,8 @@ thread count in exitspec's cache, so later runs skip it), and corrected online: 
 target-stage time updates a running ratio of measured to predicted seconds, which follows context length
 and machine load. The measured cost need not grow with N: a CPU BLAS picks its kernel by the number of
 rows, and on 2 cores MKL runs SmolLM2-135M's weight products on 4–16 rows far below its one-row speed
-(13 rows cost more than 17). So each size is measured twice, with the weights whole and in cache-sized
-panels (lean.LeanLlama.linear), and a tree of N tokens runs its weight products the cheaper way, on the
+(13 rows cost more than 17). So on a CPU each size is measured twice, with the weights whole and laid out
+in transposed 32-row panels (lean.Panels: a 9-row tree then costs 1.34× a step, not 1.99×), and a tree of N tokens runs its weight products the cheaper way, on the
 rows of the cheapest measured size at or above N (`row_plan`, handed to the lean forward); it costs what
 that size costs.
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from exitspec.lean import panel_linear
+from exitspec.lean import Panels
 from exitspec.target import synchronize
 from exitspec.tree import DraftTree
 
@@ -98,23 +98,25 @@ class CostModel:
         """Times forward + commit of chain trees of each size up to max_size (all up to DENSE, then SPARSE)
         after `context` cached tokens, with the weights whole and in panels (on the lean forward).
 
-        Chains have the largest depth for their size, so positions and mask are the dearest case. One pass over
-        all sizes warms every shape up; then each size and way keeps the fastest of `repeats` runs, since other
+        Chains have the largest depth for their size, so positions and mask are the dearest case. Per way, one
+        pass over all sizes warms every shape up; then each size keeps the fastest of `repeats` runs, since other
         work on the machine only ever adds time (a median taken under load once made one extra token look 40%
         dearer, and `auto` then never drafted). The target's cache and row plan are reset afterwards.
         """
         sizes = sorted({*range(min(max_size, DENSE) + 1), *(n for n in SPARSE if n <= max_size), max_size})
-        ways = (False, True) if target.use_row_plan({}) else (False,)  # whole weights, then panels
+        # whole weights, then Panels: a CPU BLAS's way out of its few-row slowness (a GPU's is not slow there)
+        ways = (False, True) if target.use_row_plan({}) and target.device.type == "cpu" else (False,)
         device = target.device
         context = max(1, min(context, target.max_context - max(sizes) - 2))
         ids = torch.arange(context, device=device) % target.vocab_size
         target.reset()
         target.prefill(ids)
         trees = [DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=device) for n in sizes]
-        for runs in (1, repeats):  # the warm-up pass, then the timed one
-            seconds = {way: [] for way in ways}
-            for tree, way in itertools.product(trees, ways):
-                target.use_row_plan({tree.size: (tree.size, way)})
+        seconds = {}
+        for way, runs in itertools.product(ways, (1, repeats)):  # per way: the warm-up pass, then the timed one
+            target.use_row_plan({tree.size: (tree.size, way) for tree in trees})
+            seconds[way] = []
+            for tree in trees:
                 best = float("inf")
                 for _ in range(runs):
                     synchronize(device)
@@ -154,21 +156,22 @@ class CostModel:
         return model
 
 
-def panels_pay(weight: torch.Tensor, rows: int, repeats: int = 5) -> bool:
-    """Whether `panel_linear` on `rows` rows through weight [D_out, D_in] is measured at least PLAN_GAIN cheaper
-    than F.linear on the weight's device (the fastest of `repeats` runs each, after one warm-up)."""
+def cheaper_panels(weight: torch.Tensor, rows: int, repeats: int = 5) -> Panels | None:
+    """The weight [D_out, D_in] in Panels if products over `rows` rows measure at least PLAN_GAIN cheaper that
+    way than F.linear on the weight's device (the fastest of `repeats` runs each, after one warm-up); else None."""
+    panels = Panels(weight)
     x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     seconds = []
-    for product in (torch.nn.functional.linear, panel_linear):
+    for product in (lambda: torch.nn.functional.linear(x, weight), lambda: panels(x)):
         best = float("inf")
         for _ in range(repeats + 1):
             synchronize(weight.device)
             start = time.perf_counter()
-            product(x, weight)
+            product()
             synchronize(weight.device)
             best = min(best, time.perf_counter() - start)
         seconds.append(best)
-    return seconds[1] < (1 - PLAN_GAIN) * seconds[0]
+    return panels if seconds[1] < (1 - PLAN_GAIN) * seconds[0] else None
 
 
 def best_size(scores, cost: CostModel, draft_seconds: float, cap: int) -> int:

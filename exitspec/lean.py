@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-PANEL_ROWS = 32  # output rows of a weight panel (panel_linear)
+PANEL_ROWS = 32  # output rows of a weight panel (Panels)
 
 
 def supports(model: nn.Module) -> str | None:
@@ -71,22 +71,31 @@ def _fuse(owner: nn.Module, name: str, linears: list[nn.Linear]) -> tuple[Tensor
     return weight, bias
 
 
-def panel_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x [n, D_in], weight [D_out, D_in], bias) → [n, D_out] but for rounding, with the weight cut into
-    panels of PANEL_ROWS output rows, small enough to stay in cache, multiplied in one batched product.
+class Panels:
+    """A weight [D_out, D_in] laid out for products over a few rows: its output rows cut into panels of
+    PANEL_ROWS, each panel transposed and contiguous, blocks [P, D_in, PANEL_ROWS], all multiplied in one
+    batched product. A copy: it holds the weight's memory once more.
 
-    On a CPU, MKL streams the whole weight at one to three rows but falls far below that speed at 4–16 rows;
-    in panels it does not. On a 2-core Xeon a forward of SmolLM2-135M on 4 rows costs 1.24× a one-row step
-    in 32-row panels against 1.57× whole, 9 rows 1.55× against 2.10× (16-row panels cost the same, 64-row
-    ones 3–5% more, 256-row ones 12–17% more); DFlash's draft head on 7 rows 1.07 ms against 2.01 ms."""
-    n = x.shape[0]
-    whole = weight.shape[0] // PANEL_ROWS * PANEL_ROWS  # output rows in full panels; the rest in one product
-    blocks = weight[:whole].view(-1, PANEL_ROWS, weight.shape[1])  # [P, PANEL_ROWS, D_in]
-    out = torch.bmm(x.expand(blocks.shape[0], *x.shape), blocks.transpose(1, 2))  # [P, n, PANEL_ROWS]
-    out = out.transpose(0, 1).reshape(n, whole)  # [n, whole]
-    if whole < weight.shape[0]:
-        out = torch.cat([out, F.linear(x, weight[whole:])], dim=1)  # [n, D_out]
-    return out if bias is None else out + bias
+    Why: a CPU BLAS is not monotone in the row count. On 2 cores MKL streams SmolLM2-135M's weights at one to
+    three rows, but 4 rows cost 1.8× one row and 9 rows 2.5×; the same products over these panels cost 1.13×
+    and 1.29× (32-row panels; 16 and 64 rows cost more, and so do untransposed panels: 1.31× and 1.57×).
+    DFlash's draft head on 7 rows: 1.07 ms against 2.01 ms whole (untransposed panels)."""
+
+    def __init__(self, weight: Tensor):
+        out_rows, in_rows = weight.shape
+        whole = out_rows // PANEL_ROWS * PANEL_ROWS  # output rows in full panels
+        weight = weight.detach()
+        self.blocks = weight[:whole].reshape(-1, PANEL_ROWS, in_rows).transpose(1, 2).contiguous()  # [P, D_in, PANEL_ROWS]
+        self.rest = weight[whole:]  # [D_out − whole, D_in]: the last, partial panel, multiplied as it is
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x [n, D_in] → F.linear(x, weight, bias) [n, D_out] but for rounding."""
+        n = x.shape[0]
+        out = torch.bmm(x.expand(self.blocks.shape[0], *x.shape), self.blocks)  # [P, n, PANEL_ROWS]
+        out = out.transpose(0, 1).reshape(n, -1)  # [n, whole]
+        if self.rest.shape[0]:
+            out = torch.cat([out, F.linear(x, self.rest)], dim=1)  # [n, D_out]
+        return out if bias is None else out + bias
 
 
 class LeanLayer:
@@ -100,6 +109,10 @@ class LeanLayer:
         self.down_proj = mlp.down_proj
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+
+    def weights(self) -> list[Tensor]:
+        """The four weights the layer multiplies by, in order."""
+        return [self.qkv_weight, self.o_proj.weight, self.gate_up_weight, self.down_proj.weight]
 
 
 def _rms(norm: nn.Module, x: Tensor) -> Tensor:
@@ -167,22 +180,32 @@ class LeanLlama:
         self.keys = self.values = None  # [layers, Hkv, capacity, hd]
         self.length = 0
         self.row_plan: dict[int, tuple[int, bool]] = {}  # n rows -> (rows to run on, in panels): `linear`
+        self.panels: dict[int, Panels] = {}  # weight.data_ptr() -> the weight in panels, while the plan uses them
 
     def reset(self) -> None:
         self.length = 0
 
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """F.linear over rows x [n, D_in] → [n, D_out], run as row_plan[n] = (rows, in panels) says where it names n.
+    def use_row_plan(self, plan: dict[int, tuple[int, bool]]) -> None:
+        """Runs the weight products of n rows as plan[n] = (rows, in panels) says (`linear`); lays the weights out
+        in Panels while some entry uses them, and frees that copy when none does."""
+        self.row_plan = dict(plan)
+        if not any(panels for _, panels in self.row_plan.values()):
+            self.panels = {}
+        elif not self.panels:
+            weights = [w for layer in self.layers for w in layer.weights()] + [self.lm_head.weight]
+            self.panels = {w.data_ptr(): Panels(w) for w in weights}
 
-        A CPU BLAS is not monotone in the row count: on 2 cores MKL runs 4–16 rows through SmolLM2-135M's
-        weights at a fraction of its one-row speed, and 13 rows cost more than 17. Both ways out give the same
-        rows but for rounding: zero rows appended up to `rows`, and `panel_linear` (budget.CostModel measures
-        which way is cheaper at each size)."""
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """F.linear over rows x [n, D_in] → [n, D_out], run as row_plan[n] = (rows, in panels) says where it names n:
+        zero rows appended up to `rows`, and the weight whole or in Panels (budget.CostModel measures which
+        way is cheaper at each size). The rows are F.linear's but for rounding."""
         n = x.shape[0]
         rows, panels = self.row_plan.get(n, (n, False))
         if rows > n:
             x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
-        return (panel_linear if panels else F.linear)(x, weight, bias)[:n]
+        if panels:
+            return self.panels[weight.data_ptr()](x, bias)[:n]
+        return F.linear(x, weight, bias)[:n]
 
     def _reserve(self, end: int) -> None:
         """Grows the cache (doubling, so appends cost amortised O(1)) to hold `end` entries."""

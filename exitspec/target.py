@@ -174,7 +174,7 @@ class TargetModel:
         backend's `LeanLlama.linear`). Logits and features are unchanged but for rounding. False where the
         backend has no such choice (transformers' forward), which then ignores the plan."""
         if isinstance(self.backend, LeanLlama):
-            self.backend.row_plan = dict(plan)
+            self.backend.use_row_plan(plan)
             return True
         return False
 

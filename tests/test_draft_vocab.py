@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tiny_models import tiny_llama
 
+from exitspec import lean
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.drafters.vocab import DraftHead, frequent_tokens
+from exitspec.lean import Panels
 from exitspec.train.dflash_loss import DFlashObjective, target_features
 
 BLOCK = 4
@@ -56,11 +58,14 @@ def test_frequent_tokens_ranks_by_count_and_keeps_end_tokens():
         frequent_tokens(responses, 3, 16, always=[16])
 
 
-def test_marginals_equal_the_full_head_on_the_vocabulary(target):
+def test_marginals_equal_the_full_head_on_the_vocabulary(target, monkeypatch):
     full, small = drafter_pair(target)
     prompt = torch.tensor([3, 9, 4, 1, 7, 2, 6])
     a = begun(full, target, prompt).marginals(prompt, 8)  # [H, V]
     b = begun(small, target, prompt).marginals(prompt, 8)
+    monkeypatch.setattr(lean, "PANEL_ROWS", 4)
+    small.head.panels = Panels(small.head.weight)  # what the drafter sets where panels pay (lean.Panels)
+    torch.testing.assert_close(begun(small, target, prompt).marginals(prompt, 8), b)
     inside = torch.zeros(32, dtype=torch.bool)
     inside[VOCAB_IDS] = True
     torch.testing.assert_close(b[:, inside], a[:, inside])

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_target import ATOL, V, assert_tree_logits, random_tree
 from tiny_models import tiny_llama
 from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config, Qwen3Config
@@ -83,6 +84,19 @@ def test_a_row_plan_changes_nothing_but_rounding(panels, monkeypatch):
         for target in (plain, planned):
             target.commit(tree, path)
     torch.testing.assert_close(planned.kv(1)[0], plain.kv(1)[0], atol=ATOL, rtol=ATOL)
+    assert bool(planned.backend.panels) == panels  # the weights' panel copy exists while the plan uses it
+    planned.use_row_plan({})
+    assert planned.backend.panels == {}
+
+
+def test_panels_multiply_like_f_linear(monkeypatch):
+    """Full panels and a last partial one (10 output rows in panels of 4), with and without a bias."""
+    monkeypatch.setattr(lean, "PANEL_ROWS", 4)
+    weight, bias = torch.randn(10, 6), torch.randn(10)
+    for rows in (1, 3, 7):
+        x = torch.randn(rows, 6)
+        torch.testing.assert_close(lean.Panels(weight)(x), F.linear(x, weight))
+        torch.testing.assert_close(lean.Panels(weight)(x, bias), F.linear(x, weight, bias))
 
 
 def test_fused_weights_are_shared_not_copied():

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from exitspec.budget import panels_pay
+from exitspec.budget import cheaper_panels
 from exitspec.build import build_ddtree
 from exitspec.calibrate import SourceMerge, copy_bins, copy_calibrator, model_bins, model_calibrator
 from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel
@@ -93,7 +93,7 @@ class DFlashDrafter:
         self.embed = target_embeddings
         self.lm_head = target_lm_head
         self.head = DraftHead(target_lm_head, self.model.draft_vocab)  # W or its draft-vocabulary rows
-        self.head.panels = panels_pay(self.head.weight.detach(), cfg.block_size - 1)  # a block's rows, measured
+        self.head.panels = cheaper_panels(self.head.weight, cfg.block_size - 1)  # for a block's rows, if they pay
         self.feature_layers: tuple[int, ...] = tuple(cfg.target_layer_ids)
         self.block_size = cfg.block_size
         self.vocab_size = vocab

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from exitspec.lean import panel_linear
+from exitspec.lean import Panels
 
 # Responses are what the drafter proposes, so they rank first; prompt tokens fill the rest, as responses copy
 # from prompts (coverage measured in data/dflash-runs/smollm2-135m-instruct-v2/README.md).
@@ -33,8 +33,8 @@ class DraftHead:
 
     `head(hidden)` gives logits over the draft vocabulary [..., Vd]; `expand` puts them back in the target's
     token space [..., V] (−inf outside the vocabulary); `columns` maps token ids to their draft columns.
-    With `panels` set, rows [n, D] go through lean.panel_linear (the DFlash drafter sets it where measured
-    cheaper for its block: on a CPU, 7 rows through 16 384 head rows cost half)."""
+    With `panels` set (lean.Panels of `weight`), rows [n, D] are multiplied by those: the DFlash drafter sets
+    them where measured cheaper for its block's rows (on a CPU, 7 rows through 16 384 head rows cost half)."""
 
     def __init__(self, lm_head: nn.Module, vocab: Tensor | None):
         self.lm_head = lm_head
@@ -42,7 +42,7 @@ class DraftHead:
         self.vocab = vocab  # [Vd] ascending token ids, or None
         self.weight, self.bias = lm_head.weight, getattr(lm_head, "bias", None)  # [V, D], [V] or None
         self.index = None
-        self.panels = False
+        self.panels: Panels | None = None
         if vocab is not None:
             vocab = vocab.to(lm_head.weight.device)
             self.vocab = vocab
@@ -57,8 +57,10 @@ class DraftHead:
 
     def __call__(self, hidden: Tensor) -> Tensor:
         """hidden [..., D] -> logits [..., Vd] (or [..., V] without a draft vocabulary), in the head's dtype."""
-        product = panel_linear if self.panels and hidden.dim() == 2 else F.linear
-        return product(hidden.to(self.dtype), self.weight, self.bias)
+        hidden = hidden.to(self.dtype)
+        if self.panels is not None and hidden.dim() == 2:
+            return self.panels(hidden, self.bias)
+        return F.linear(hidden, self.weight, self.bias)
 
     def expand(self, logits: Tensor) -> Tensor:
         """Draft logits [..., Vd] -> [..., V] in the target's token space, −inf outside the vocabulary."""
