@@ -16,9 +16,9 @@ target-stage time updates a running ratio of measured to predicted seconds, whic
 and machine load. The measured cost need not grow with N: a CPU BLAS picks its kernel by the number of
 rows, and on 2 cores MKL runs SmolLM2-135M's weight products on 4–16 rows far below its one-row speed
 (13 rows cost more than 17). So on a CPU each size is measured twice, with the weights whole and laid out
-in transposed 32-row panels (lean.Panels: a 9-row tree then costs 1.34× a step, not 1.99×), and a tree of N tokens runs its weight products the cheaper way, on the
-rows of the cheapest measured size at or above N (`row_plan`, handed to the lean forward); it costs what
-that size costs.
+in transposed 32-row panels (lean.Panels: a 9-row tree then costs 1.34× a step, not 1.99×), and a tree of
+N tokens runs its weight products the cheaper way, on the rows of the cheapest measured size at or above N
+(`row_plan`, handed to the lean forward); it costs what that size costs.
 
 Which source to draft from. A round that runs the drafter's model (DFlash's block forward) pays its cost
 before it knows its tree; a cheap round drafts from prompt lookup alone. Each kind keeps a running mean of
