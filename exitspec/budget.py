@@ -39,6 +39,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
 from exitspec.lean import Panels
@@ -104,8 +105,11 @@ class CostModel:
         dearer, and `auto` then never drafted). The target's cache and row plan are reset afterwards.
         """
         sizes = sorted({*range(min(max_size, DENSE) + 1), *(n for n in SPARSE if n <= max_size), max_size})
-        # whole weights, then Panels: a CPU BLAS's way out of its few-row slowness (a GPU's is not slow there)
-        ways = (False, True) if target.use_row_plan({}) and target.device.type == "cpu" else (False,)
+        # whole weights, then Panels: a CPU BLAS's way out of its few-row slowness (a GPU's is not slow there),
+        # where their copy of the weights takes at most half the free memory
+        weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+        panels_fit = target.device.type == "cpu" and 2 * weight_bytes < psutil.virtual_memory().available
+        ways = (False, True) if target.use_row_plan({}) and panels_fit else (False,)
         device = target.device
         context = max(1, min(context, target.max_context - max(sizes) - 2))
         ids = torch.arange(context, device=device) % target.vocab_size

@@ -79,7 +79,7 @@ class Panels:
     Why: a CPU BLAS is not monotone in the row count. On 2 cores MKL streams SmolLM2-135M's weights at one to
     three rows, but 4 rows cost 1.8× one row and 9 rows 2.5×; the same products over these panels cost 1.13×
     and 1.29× (32-row panels; 16 and 64 rows cost more, and so do untransposed panels: 1.31× and 1.57×).
-    DFlash's draft head on 7 rows: 1.07 ms against 2.01 ms whole (untransposed panels)."""
+    DFlash's draft head (16 384 rows) on 7 rows: 0.74 ms against 2.01 ms whole."""
 
     def __init__(self, weight: Tensor):
         out_rows, in_rows = weight.shape

@@ -34,7 +34,7 @@ class DraftHead:
     `head(hidden)` gives logits over the draft vocabulary [..., Vd]; `expand` puts them back in the target's
     token space [..., V] (−inf outside the vocabulary); `columns` maps token ids to their draft columns.
     With `panels` set (lean.Panels of `weight`), rows [n, D] are multiplied by those: the DFlash drafter sets
-    them where measured cheaper for its block's rows (on a CPU, 7 rows through 16 384 head rows cost half)."""
+    them where measured cheaper for its block's rows (on a CPU, 7 rows through 16 384 head rows cost 0.37× as much)."""
 
     def __init__(self, lm_head: nn.Module, vocab: Tensor | None):
         self.lm_head = lm_head
