@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import psutil
 import torch
+import torch.nn.functional as F
 
 from exitspec.lean import Panels
 from exitspec.target import synchronize
@@ -121,16 +122,12 @@ class CostModel:
             target.use_row_plan({tree.size: (tree.size, way) for tree in trees})
             seconds[way] = []
             for tree in trees:
-                best = float("inf")
-                for _ in range(runs):
-                    synchronize(device)
-                    start = time.perf_counter()
+
+                def verify_nothing(tree: DraftTree = tree) -> None:
                     target.forward_tree(tree)
                     target.commit(tree, [])
-                    synchronize(device)
-                    best = min(best, time.perf_counter() - start)
-                    target.truncate(context)  # back to the same context for the next run
-                seconds[way].append(best)
+
+                seconds[way].append(fastest(verify_nothing, runs, device, lambda: target.truncate(context)))
         target.reset()
         target.use_row_plan({})
         panels = [len(ways) > 1 and s < (1 - PLAN_GAIN) * w for w, s in zip(seconds[False], seconds[ways[-1]])]
@@ -165,17 +162,24 @@ def cheaper_panels(weight: torch.Tensor, rows: int, repeats: int = 5) -> Panels 
     way than F.linear on the weight's device (the fastest of `repeats` runs each, after one warm-up); else None."""
     panels = Panels(weight)
     x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    seconds = []
-    for product in (lambda: torch.nn.functional.linear(x, weight), lambda: panels(x)):
-        best = float("inf")
-        for _ in range(repeats + 1):
-            synchronize(weight.device)
-            start = time.perf_counter()
-            product()
-            synchronize(weight.device)
-            best = min(best, time.perf_counter() - start)
-        seconds.append(best)
-    return panels if seconds[1] < (1 - PLAN_GAIN) * seconds[0] else None
+    whole, panelled = (
+        fastest(product, repeats + 1, weight.device) for product in (lambda: F.linear(x, weight), lambda: panels(x))
+    )
+    return panels if panelled < (1 - PLAN_GAIN) * whole else None
+
+
+def fastest(run, repeats: int, device: torch.device, reset=lambda: None) -> float:
+    """Seconds of the fastest of `repeats` calls of run() (the device's queued work included), calling reset()
+    untimed after each: other work on the machine only ever adds time."""
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+        reset()
+    return best
 
 
 def best_size(scores, cost: CostModel, draft_seconds: float, cap: int) -> int:
