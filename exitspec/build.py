@@ -85,6 +85,8 @@ def build_trie(
     never grows along a path since weights must be positive. Nodes come in pop order; ties go to the node
     that reached the frontier first (siblings in order of first appearance in `continuations`). The tree's
     `scores` are each node's share of the total weight: the fraction of the evidence that agrees on its prefix.
+    A tree of `budget` nodes holds no node deeper than `budget`, so only that many tokens of each continuation
+    enter the trie.
     """
     if len(continuations) != len(weights):
         raise ValueError(f"got {len(continuations)} continuations but {len(weights)} weights")
@@ -98,7 +100,7 @@ def build_trie(
     trie_tokens, trie_weights = [int(root_token)], [0.0]
     for continuation, weight in zip(continuations, weights):
         node = 0
-        for token in continuation:
+        for token in continuation[:budget]:
             if token < 0:
                 raise ValueError(f"continuation tokens must be >= 0, got {token}")
             if token not in children[node]:

@@ -114,7 +114,11 @@ class SourceMerge:
         self.calibrators = self._by_setting[setting]
 
     def build(self, root_token: int, candidates: dict[str, DraftTree], budget: int, device=None) -> DraftTree:
-        """The `budget` best nodes over all sources' candidate trees, by calibrated estimate of P(u)."""
+        """The `budget` best nodes over all sources' candidate trees, by calibrated estimate of P(u); the root
+        alone when no source has a candidate."""
+        if not candidates:
+            self._origins = [[]]
+            return DraftTree.root_only(root_token, device)
         names, scored, bins = [], [], []
         for name, tree in candidates.items():
             _, binning = self.sources[name]

@@ -260,6 +260,8 @@ class SpeculativeDecoder:
         drafter.begin(torch.tensor(prompt_ids, device=target.device), features)
         prefill_seconds = time.perf_counter() - start
         context = list(prompt_ids)
+        context_ids = torch.empty(target.max_context, dtype=torch.long, device=target.device)  # [C], filled as it grows
+        context_ids[: len(context)] = torch.tensor(context)
         generator = torch.Generator(device=target.device).manual_seed(seed)
         rounds: list[RoundStats] = []
         while not run.done:
@@ -273,7 +275,7 @@ class SpeculativeDecoder:
             timer.last.clear()
             if cap > 0 and max_depth > 0:
                 with timer("draft"):
-                    proposal = drafter.propose(torch.tensor(context, device=target.device), max_depth, cheap=cheap)
+                    proposal = drafter.propose(context_ids[: len(context)], max_depth, cheap=cheap)
                 with timer("build"):
                     tree = drafter.build(proposal, root, cap)
                     if tree.num_nodes > cap or tree.depth > max_depth or int(tree.tokens[0]) != root:
@@ -302,6 +304,8 @@ class SpeculativeDecoder:
             with timer("commit"):
                 target.commit(tree, verdict.path)
                 kept = [0, *verdict.path]
+                if kept == list(range(len(kept))):  # the root and a chain prefix: a view, not a gather
+                    kept = slice(len(kept))
                 committed = forward.features[kept] if forward.features is not None else None
                 drafter.commit(tree.tokens[kept], committed)
             coverage = 0.0 if flow is None else float(flow.coverage)
@@ -314,6 +318,7 @@ class SpeculativeDecoder:
                             stage["target"] + stage["verify"] + stage["commit"], coverage)
             block = verdict.output_tokens(tree)
             emitted = run.emit(block)
+            context_ids[len(context) : len(context) + len(block)] = torch.tensor(block)
             context.extend(block)
             rounds.append(RoundStats(tree.num_nodes, len(verdict.path), emitted, coverage))
             if on_round is not None:

@@ -85,13 +85,14 @@ def observed_reach(tree: DraftTree, kept: int, reach: Tensor, rows: WarpedRows) 
     frontier is where `--budget auto` decides whether one more node pays, so its calibration learns there even
     from rounds that kept no node (kept = 1, reach = [1]).
     """
-    out = torch.full((tree.size,), float("nan"), device=reach.device)  # [M+1]
-    out[:kept] = reach
-    parents = tree.parents[kept:]  # [M+1-kept]
-    frontier = torch.nonzero(parents < kept).flatten() + kept  # cut nodes with a kept parent
-    if frontier.numel():
-        out[frontier] = reach[tree.parents[frontier]] * rows.edges(tree.parents[frontier], tree.tokens[frontier])
-    return out
+    parents = tree.parent_list
+    out = reach.tolist() + [float("nan")] * (tree.size - kept)  # [M+1]
+    frontier = [u for u in range(kept, tree.size) if parents[u] < kept]  # cut nodes with a kept parent
+    if frontier:
+        edge = rows.edges(tree.parents[frontier], tree.tokens[frontier]).tolist()  # Eq. 1
+        for u, p_edge in zip(frontier, edge):
+            out[u] = out[parents[u]] * p_edge  # Eq. 2
+    return torch.tensor(out, device=reach.device)
 
 
 def check_probs(tree: DraftTree | TreeBatch, probs: Tensor, tolerance: float = 1e-3) -> None:

@@ -156,20 +156,27 @@ class WarpedRows:
     def edges(self, rows: Tensor, tokens: Tensor) -> Tensor:
         """p_row(token) for row indices rows [n] and tokens [n]: the edge probabilities of Eq. 1.
 
-        Without top-k or top-p, p_v(x) = exp(l_v(x)/T − logsumexp(l_v/T)): one reduction per distinct row and
-        nothing of width V written, instead of the warped rows; those are read only where a filter needs them."""
-        unique, inverse = torch.unique(rows, return_inverse=True)  # [P], [n]
+        Without top-k or top-p, p_v(x) = exp(l_v(x)/T − logsumexp(l_v/T)): one reduction per row, once per row
+        however often its edges are read, and nothing of width V written, instead of the warped rows; those are
+        read only where a filter needs them."""
         if not self.plain:
+            unique, inverse = torch.unique(rows, return_inverse=True)  # [P], [n]
             return self.rows(unique.tolist())[inverse, tokens]
-        scaled = self.logits[unique].float()  # [P, V], a fresh copy (advanced indexing)
-        if self.params.temperature != 1.0:
-            scaled.div_(self.params.temperature)
-        log_norm = torch.logsumexp(scaled, dim=-1)  # [P]
-        values = log_norm.tolist()
-        if not all(map(math.isfinite, values)):  # NaN, +inf and all −inf rows, with no pass of their own
-            check_logits(scaled)
-        self._log_norm.update(zip(unique.tolist(), values))
-        return torch.exp(scaled[inverse, tokens] - log_norm[inverse])
+        row_list, t = rows.tolist(), self.params.temperature
+        missing = [v for v in dict.fromkeys(row_list) if v not in self._log_norm]
+        if missing:
+            scaled = self.logits[missing].float()  # [P, V], a fresh copy (advanced indexing)
+            if t != 1.0:
+                scaled.div_(t)
+            values = torch.logsumexp(scaled, dim=-1).tolist()  # [P]
+            if not all(map(math.isfinite, values)):  # NaN, +inf and all −inf rows, with no pass of their own
+                check_logits(scaled)
+            self._log_norm.update(zip(missing, values))
+        log_norm = torch.tensor([self._log_norm[v] for v in row_list], device=self.logits.device)  # [n]
+        scaled_edges = self.logits[rows, tokens].float()  # [n]
+        if t != 1.0:
+            scaled_edges.div_(t)
+        return torch.exp(scaled_edges - log_norm)
 
     def draw_residual(self, node: int, removed: Tensor, generator: torch.Generator | None = None) -> int | None:
         """One draw from p_node with the tokens `removed` [k] taken out: the bonus of an exit at `node` (its

@@ -168,7 +168,7 @@ class DFlashDrafter:
         candidates = {}
         if proposal.marginals is not None and proposal.marginals.shape[0]:
             candidates["model"] = build_ddtree(proposal.marginals, root_token, budget)
-        if proposal.copy is not None:
+        if proposal.copy is not None and proposal.copy.continuations:
             candidates["copy"] = self.copy.trie(proposal.copy, root_token, budget)
         return self.merge.build(root_token, candidates, budget, self.device)
 

@@ -82,7 +82,8 @@ class NgramDrafter:
 
     def build(self, proposal: NgramProposal, root_token: int, budget: int) -> DraftTree:
         """The trie's nodes ranked by their calibrated estimates of P(u), the best `budget` of them."""
-        return self.merge.build(root_token, {"copy": self.trie(proposal, root_token, budget)}, budget, proposal.device)
+        candidates = {"copy": self.trie(proposal, root_token, budget)} if proposal.continuations else {}
+        return self.merge.build(root_token, candidates, budget, proposal.device)
 
     def observe(self, tree: DraftTree, reach: Tensor) -> None:
         """The realised reach probabilities P(u) [N+1] (NaN: unobserved) of the last tree built calibrate its
