@@ -61,12 +61,14 @@ def load_decoders(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype = "auto",
     threads: int | None = None,
+    lookup: str | Path = "auto",
 ):
     """{drafter spec: SpeculativeDecoder}, all sharing one copy of the target's weights.
 
     model: a local HF causal-LM folder, None for the default SmolLM2-135M-Instruct. drafters: specs of
     `drafters.load_drafter` ('dflash', 'exittrain', 'ngram', a checkpoint folder, chain:SPEC), each checked
-    against the target; each decoder's TargetModel taps exactly the layers its drafter reads.
+    against the target; each decoder's TargetModel taps exactly the layers its drafter reads. `lookup`: the
+    DFlash drafters' corpus-lookup table (load_drafter: auto, none or a path).
     """
     from exitspec.decode import SpeculativeDecoder
 
@@ -76,7 +78,7 @@ def load_decoders(
     hf_model, tokenizer = load_model_and_tokenizer(model, device, resolve_dtype(dtype, device))
     decoders = {}
     for spec in dict.fromkeys(drafters):
-        drafter = load_drafter(spec, hf_model)
+        drafter = load_drafter(spec, hf_model, lookup)
         decoders[spec] = SpeculativeDecoder(TargetModel(hf_model, tokenizer, drafter.feature_layers), drafter)
     return decoders
 

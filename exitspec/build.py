@@ -8,6 +8,8 @@ pops are the B best nodes and already form a tree listed parents-first.
   scored by their summed log-probabilities.
 - `build_trie`: candidates are the nodes of a trie of whole continuations (the n-gram drafter's), scored by
   the total weight of the continuations passing through them.
+- `build_best_first`: candidates are all paths of a next-token model that, given a path, names its likely next
+  tokens with probabilities (corpus lookup's n-gram table), scored by their products.
 - `merge_best_first`: the union of several such candidate trees (a model's and a copy source's), ranked by
   calibrated estimates of each node's reach probability P(u), so the sources compete for one budget.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -127,6 +129,38 @@ def build_trie(
         for child in children[trie_node].values():
             heapq.heappush(heap, (-trie_weights[child], next(push_order), child, node))
 
+    return _validated_tree(parents, tokens, depths, device, scores)
+
+
+def build_best_first(
+    root_token: int, next_tokens: Callable[[tuple[int, ...]], Sequence[tuple[int, float]]], budget: int,
+    max_depth: int, device=None,
+) -> DraftTree:
+    """The `budget` most probable paths of at most `max_depth` tokens under a next-token model, as a tree.
+
+    next_tokens(path) lists (token, q) for the tokens after root → path, q in (0, 1] (distinct tokens). A path
+    scores the product of its q's (the model's prefix probability), which never grows along it, so pops come
+    in descending score, parents first; ties go to the node pushed first. The tree's `scores` are those products.
+    """
+    if budget < 0 or max_depth < 0:
+        raise ValueError(f"budget and max_depth must be >= 0, got {budget} and {max_depth}")
+    parents, tokens, depths, scores = [-1], [int(root_token)], [0], [1.0]
+    paths: list[tuple[int, ...]] = [()]
+    push_order = itertools.count()
+    heap: list[tuple[float, int, int, int]] = []  # (-score, push order, parent node, token)
+
+    def push_children(node: int) -> None:
+        if depths[node] < max_depth:
+            for token, q in next_tokens(paths[node]):
+                heapq.heappush(heap, (-scores[node] * q, next(push_order), node, token))
+
+    push_children(0)
+    while heap and len(parents) <= budget:
+        neg_score, _, parent, token = heapq.heappop(heap)
+        node = len(parents)
+        parents.append(parent), tokens.append(token), depths.append(depths[parent] + 1), scores.append(-neg_score)
+        paths.append(paths[parent] + (token,))
+        push_children(node)
     return _validated_tree(parents, tokens, depths, device, scores)
 
 

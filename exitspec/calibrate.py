@@ -78,6 +78,20 @@ def model_bins(scores: Sequence[float]) -> list[int]:
     return [min(int(-math.log(max(q, 1e-300)) / MODEL_BIN_NATS), MODEL_BINS - 1) for q in scores]
 
 
+def lookup_calibrator() -> Calibrator:
+    """For corpus-lookup nodes by (depth, prefix probability q under the n-gram table): a table's chains stay
+    confident where the target has long left them, so depth d gets its own row of q bins; prior
+    q / 2 · 0.6^(d-1)."""
+    centres = torch.arange(MODEL_BINS, dtype=torch.float64) + 0.5
+    depth = torch.arange(COPY_DEPTHS, dtype=torch.float64)
+    return Calibrator(0.5 * torch.exp(-MODEL_BIN_NATS * centres)[None] * 0.6 ** depth[:, None])
+
+
+def lookup_bins(tree: DraftTree) -> list[int]:
+    """Bins of a lookup tree's nodes (its `scores` are prefix probabilities q): row depth, column q."""
+    return [(min(d, COPY_DEPTHS) - 1) * MODEL_BINS + b for d, b in zip(tree.depths.tolist(), model_bins(tree.scores))]
+
+
 def copy_calibrator() -> Calibrator:
     """For copy nodes by (share of agreeing matches, depth); prior 0.15 · share · 0.6^(depth-1), low until the
     text shows that it repeats itself."""

@@ -37,6 +37,7 @@ from exitspec.options import (
     drafter_option,
     expand_config,
     integer,
+    lookup_option,
     model_options,
     option,
     real,
@@ -82,6 +83,12 @@ def build_parser() -> Parser:
                        [train_model], "exitspec.train.cli:run_train", DEFAULTS), "exit")
     _add_eval(command(stages, "eval", "held-out E[τ] = 1 + C_p of DFlash drafters, exact and without decoding",
                       [train_model], "exitspec.train.cli:run_eval_command", DEFAULTS))
+    lookup = command(stages, "lookup", "the corpus-lookup table of the target's responses in a rollout folder",
+                     [train_model], "exitspec.train.cli:run_lookup", DEFAULTS)
+    lookup.add_argument("--rollouts", default="runs/rollouts", help="rollout folder (exitspec train dflash --rollouts-only)")
+    lookup.add_argument("--out", type=Path, required=True, help="the table (safetensors), e.g. DRAFTER/lookup.safetensors")
+    lookup.add_argument("--orders", type=integer(1, 8), default=3, help="context lengths 1..K looked up (default 3)")
+    lookup.add_argument("--width", type=integer(1, 64), default=4, help="next tokens kept per context (default 4)")
     curve = command(stages, "curve", "plot the held-out curve (τ, depth-1 top-1) of training runs against tokens",
                     [], "exitspec.train.curve:run", DEFAULTS)
     curve.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding log.jsonl")
@@ -132,7 +139,7 @@ def generate(args) -> int:
     args.drafter = args.drafter or default_drafter(args.model)
     resolve_device(args.device)
     check_budgets([args.budget], args.model, args.device)
-    decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads)[args.drafter]
+    decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads, args.lookup)[args.drafter]
     settings = {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat,
@@ -214,6 +221,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per tree: numbers, auto or auto:B (the cost-aware size; default 32)")
     s.add_argument("--verifiers", nargs="+", choices=VERIFIERS, metavar="NAME",
                    help=f"among {', '.join(VERIFIERS)} (default tev)")
+    lookup_option(s)
     s.add_argument("--chain", action="store_const", const=True, help="also each drafter's chain at the largest budget")
     s.add_argument("--max-new-tokens", type=integer(1), default=256, metavar="N", help="default 256")
     s.add_argument("--repeats", type=integer(1), default=1, metavar="N", help="runs per prompt, seeds seed, seed+1, ...")

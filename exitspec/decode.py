@@ -219,13 +219,15 @@ class SpeculativeDecoder:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype = "auto",
         threads: int | None = None,
+        lookup: str | Path = "auto",
     ) -> SpeculativeDecoder:
         """A local HF model folder (None: the default SmolLM2-135M-Instruct) and a drafter (see load_drafter;
-        None: the shipped DFlash drafter for the default model, n-gram for any other), built by app.load_decoders."""
+        None: the shipped DFlash drafter for the default model, n-gram for any other) with its corpus-lookup table
+        (auto, none or a path), built by app.load_decoders."""
         from exitspec.app import load_decoders
 
         spec = str(drafter or default_drafter(model))
-        return load_decoders(model, [spec], device, dtype, threads)[spec]
+        return load_decoders(model, [spec], device, dtype, threads, lookup)[spec]
 
     def generate(
         self,

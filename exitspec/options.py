@@ -179,6 +179,15 @@ def model_options(model_flags: Sequence[str] = ("--model",)) -> Parser:
 
 def drafter_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", help=DRAFTER_HELP)
+    lookup_option(p)
+
+
+def lookup_option(p) -> None:
+    """--lookup: the corpus-lookup table that DFlash drafters add to their trees (drafters.load_drafter)."""
+    p.add_argument("--lookup", default="auto", metavar="auto|none|PATH",
+                   help="DFlash drafters' table of the target's own responses, for corpus-lookup candidates: auto "
+                        "(the shipped one for a shipped drafter, else the checkpoint's lookup.safetensors if any), "
+                        "none, or a table's path (exitspec train lookup makes one)")
 
 
 def sampling_options(many: bool = False, temperature: float = 0.0) -> Parser:

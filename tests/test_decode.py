@@ -10,6 +10,7 @@ from exitspec.check import g_test_pvalue
 from exitspec.decode import SpeculativeDecoder, generate_autoregressive
 from exitspec.drafters import DFlashDrafter, NgramDrafter
 from exitspec.drafters.dflash_model import DFlashModel
+from exitspec.drafters.lookup import NgramTable
 from exitspec.options import budget_cap, parse_budget
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
@@ -139,6 +140,23 @@ def test_greedy_with_a_dflash_drafter_equals_generate(model, verifier, draft_voc
     varied_cost(decoder, 8)
     auto = decoder.generate(PROMPT, 40, temperature=0.0, budget="auto:8", verifier=verifier, stop_tokens=())
     assert auto.tokens == out.tokens and auto.summary()["tree_sizes"] == [r.tree_size for r in auto.rounds]
+
+
+def test_greedy_with_corpus_lookup_equals_generate_and_accepts_its_tokens(model):
+    """A DFlash drafter with a lookup table of the target's own greedy answer: the output stays exact, and the
+    table's candidates are what the target accepts (an untrained model alone accepts far less)."""
+    torch.manual_seed(0)
+    expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)[0]
+    table = NgramTable.from_sequences([expected.tolist()], vocab_size=VOCAB, orders=3)
+    taus = {}
+    for lookup in (None, table):
+        draft = DFlashModel.for_target(model.config, num_layers=1, block_size=6, std=0.5)
+        drafter = DFlashDrafter(draft, model.get_input_embeddings(), model.get_output_embeddings(), lookup=lookup)
+        decoder = SpeculativeDecoder(TargetModel(model, feature_layers=drafter.feature_layers), drafter)
+        out = decoder.generate(PROMPT, 40, temperature=0.0, budget=8, verifier="tev", stop_tokens=())
+        assert out.tokens == expected[len(PROMPT) :].tolist()
+        taus[lookup is not None] = out.tau
+    assert taus[True] > 3 and taus[True] > taus[False] + 1
 
 
 def test_autoregressive_baseline_equals_generate(model):

@@ -370,8 +370,12 @@ def test_dflash_spec_names_the_shipped_drafter(tmp_path, monkeypatch, target):
     with pytest.raises(ValueError, match="shipped drafter 'dflash' is missing"):
         drafters.load_drafter("dflash", target)
     DFlashModel.for_target(target.config, num_layers=1, block_size=BLOCK).save_pretrained(tmp_path / "shipped")
+    monkeypatch.setattr(drafters, "SHIPPED_LOOKUP", tmp_path / "lookup.safetensors")
+    drafters.NgramTable.from_sequences([[1, 2, 3]], vocab_size=VOCAB).save(tmp_path / "lookup.safetensors")
     drafter = drafters.load_drafter("dflash", target)
     assert isinstance(drafter, DFlashDrafter) and drafter.block_size == BLOCK
+    assert drafter.lookup.next_tokens([2]) == [(3, 0.5)]  # the shipped table comes with a shipped drafter
+    assert drafters.load_drafter("dflash", target, lookup="none").lookup is None
     assert drafters.drafter_folder("dflash") == tmp_path / "shipped" and drafters.drafter_folder("ngram") is None
 
 
@@ -398,3 +402,16 @@ def test_exittrain_is_a_finetuning_of_the_first_dflash_drafter():
     assert DFlashConfig.load(drafters.SHIPPED["dflash-v1"]) == DFlashConfig.load(drafters.SHIPPED["exittrain"])
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
     assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_folder_brings_its_lookup_table(released, target, tmp_path):
+    """--lookup auto reads a checkpoint folder's lookup.safetensors when it has one; a table for another
+    vocabulary is refused with one line."""
+    from exitspec import drafters
+
+    assert drafters.load_drafter(str(released), target).lookup is None
+    drafters.NgramTable.from_sequences([[4, 5]], vocab_size=VOCAB).save(released / "lookup.safetensors")
+    assert drafters.load_drafter(str(released), target).lookup.next_tokens([4]) == [(5, 0.5)]
+    drafters.NgramTable.from_sequences([[4, 5]], vocab_size=7).save(tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="vocabulary of 7 tokens, but the target has"):
+        drafters.load_drafter(str(released), target, lookup=tmp_path / "other.safetensors")

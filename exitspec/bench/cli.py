@@ -60,9 +60,9 @@ def run(args) -> int:
         temperatures, args.max_new_tokens, args.top_p, args.top_k, args.repeats, args.seed,
     )
     drafters = list(dict.fromkeys(c.drafter for c in plan.configs))
-    runner = Runner(load_decoders(args.model, drafters, args.device, args.dtype, args.threads))
+    runner = Runner(load_decoders(args.model, drafters, args.device, args.dtype, args.threads, args.lookup))
     results = ResultsFile(out / "results.jsonl")
-    results.start_session(environment(args.model, runner, drafters))
+    results.start_session(environment(args.model, runner, drafters, args.lookup))
     added = run_plan(plan, runner, results, args.limit, progress=not args.no_progress)
     missing = sum(results.get(plan.key(step)) is None for step in plan.steps())
     print(f"{added} rows measured into {results.path}" + (f"; {missing} left: rerun to resume" if missing else ""))

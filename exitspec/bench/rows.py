@@ -31,6 +31,7 @@ class EnvRow:
     model: str
     model_sha: str
     drafters: dict[str, str]  # spec -> checkpoint hash (the spec itself for training-free drafters)
+    lookup: str = "auto"  # the DFlash drafters' corpus-lookup table: --lookup as given
     kind: str = "env"
     version: int = ROW_VERSION
 

@@ -367,7 +367,7 @@ def _measure(plan: Plan, runner: Runner, results: ResultsFile, step: Step, key: 
     return SpecRow(**fields, **prompt, **runner.speculative(step.config, prompt_ids, gen, baseline))
 
 
-def environment(model: str | Path | None, runner: Runner, drafters: list[str]) -> EnvRow:
+def environment(model: str | Path | None, runner: Runner, drafters: list[str], lookup: str = "auto") -> EnvRow:
     """The header row of a session: where and with what the numbers were measured."""
     device = runner.target.device
     model_dir = default_model_dir() if model is None else Path(model)
@@ -384,6 +384,7 @@ def environment(model: str | Path | None, runner: Runner, drafters: list[str]) -
         model=str(model_dir),
         model_sha=folder_sha(model_dir),
         drafters={spec: drafter_sha(spec) for spec in drafters},
+        lookup=str(lookup),
     )
 
 

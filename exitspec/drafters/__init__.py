@@ -7,12 +7,13 @@ from pathlib import Path
 from exitspec.drafters.base import Drafter
 from exitspec.drafters.chain import ChainDrafter, split_chain
 from exitspec.drafters.dflash import DFlashDrafter
+from exitspec.drafters.lookup import LOOKUP_NAME, NgramTable
 from exitspec.drafters.ngram import NgramDrafter
 from exitspec.options import DRAFTER_HELP
 
 __all__ = [
-    "DRAFTER_HELP", "SHIPPED", "ChainDrafter", "DFlashDrafter", "Drafter", "NgramDrafter", "default_drafter",
-    "drafter_folder", "load_drafter", "split_chain",
+    "DRAFTER_HELP", "SHIPPED", "SHIPPED_LOOKUP", "ChainDrafter", "DFlashDrafter", "Drafter", "NgramDrafter",
+    "NgramTable", "default_drafter", "drafter_folder", "load_drafter", "split_chain",
 ]
 
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -26,6 +27,8 @@ SHIPPED = {
     "dflash-v1": _ASSETS / "dflash-v1-smollm2-135m-instruct",
     "exittrain": _ASSETS / "exittrain-smollm2-135m-instruct",
 }
+# the corpus-lookup table of the default model's own responses, which the shipped drafters use
+SHIPPED_LOOKUP = _ASSETS / "lookup-smollm2-135m-instruct" / LOOKUP_NAME
 
 
 def default_drafter(model: str | Path | None) -> str:
@@ -51,9 +54,32 @@ def drafter_folder(spec: str | Path) -> Path | None:
     return folder
 
 
-def load_drafter(spec: str | Path, target_hf_model) -> Drafter:
+def load_drafter(spec: str | Path, target_hf_model, lookup: str | Path = "auto") -> Drafter:
     """A shipped drafter's name ('dflash', 'dflash-v1', 'exittrain'), 'ngram' (prompt lookup, training-free) or a DFlash
-    checkpoint folder for this target model; chain:SPEC for the best path of SPEC's trees."""
+    checkpoint folder for this target model; chain:SPEC for the best path of SPEC's trees.
+
+    `lookup`: the corpus-lookup table a DFlash drafter adds to its trees (lookup.py). "auto": the shipped one
+    for a shipped drafter, else the checkpoint folder's `lookup.safetensors` if it has one; "none": no table;
+    or a table's path."""
     folder = drafter_folder(spec)
-    drafter = NgramDrafter() if folder is None else DFlashDrafter.from_pretrained(folder, target_hf_model)
+    if folder is None:
+        if str(lookup) not in ("auto", "none"):
+            raise ValueError("a lookup table adds to a DFlash drafter's trees; 'ngram' takes none")
+        drafter = NgramDrafter()
+    else:
+        vocab_size = target_hf_model.get_output_embeddings().weight.shape[0]
+        table = _lookup_table(split_chain(spec)[0], folder, lookup)
+        table = table and NgramTable.load(table, vocab_size)
+        drafter = DFlashDrafter.from_pretrained(folder, target_hf_model, lookup=table)
     return ChainDrafter(drafter) if split_chain(spec)[1] else drafter
+
+
+def _lookup_table(spec: str, folder: Path, lookup: str | Path) -> Path | None:
+    """The lookup table's path for a DFlash drafter (see load_drafter), None for none."""
+    if str(lookup) == "none":
+        return None
+    if str(lookup) != "auto":
+        return Path(lookup)
+    if spec in SHIPPED:
+        return SHIPPED_LOOKUP
+    return folder / LOOKUP_NAME if (folder / LOOKUP_NAME).is_file() else None

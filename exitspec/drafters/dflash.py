@@ -11,9 +11,10 @@ The block's own keys and values never enter the cache: `commit` appends the feat
 target has just accepted (the root and the accepted path), exactly as `begin` fills it with the prompt's.
 
 Copy candidates: prompt lookup (ngram.py) also proposes what followed earlier occurrences of the context's
-suffix. Both sources' nodes are ranked on one scale, their calibrated estimates of P(u) (calibrate.py),
-and the tree takes the best of the union. A `cheap` round skips the block forward and drafts from the
-copy source alone.
+suffix, and corpus lookup (lookup.py), where the drafter has a table of its target's own responses, what
+followed the context's last tokens there. All sources' nodes are ranked on one scale, their calibrated
+estimates of P(u) (calibrate.py), and the tree takes the best of the union. A `cheap` round skips the block
+forward and drafts from the lookup sources alone.
 """
 
 from __future__ import annotations
@@ -26,8 +27,17 @@ from torch import Tensor, nn
 
 from exitspec.budget import cheaper_panels
 from exitspec.build import build_ddtree
-from exitspec.calibrate import SourceMerge, copy_bins, copy_calibrator, model_bins, model_calibrator
+from exitspec.calibrate import (
+    SourceMerge,
+    copy_bins,
+    copy_calibrator,
+    lookup_bins,
+    lookup_calibrator,
+    model_bins,
+    model_calibrator,
+)
 from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel
+from exitspec.drafters.lookup import LookupProposal, NgramTable
 from exitspec.drafters.ngram import NgramDrafter, NgramProposal
 from exitspec.drafters.vocab import DraftHead
 from exitspec.tree import DraftTree
@@ -37,6 +47,7 @@ from exitspec.tree import DraftTree
 class DFlashProposal:
     marginals: Tensor | None  # [H, V] fp32 per-depth logits; None in a cheap round
     copy: NgramProposal | None  # prompt-lookup continuations; None without the copy source
+    lookup: LookupProposal | None = None  # the context's tail for corpus lookup; None without a table
 
 
 class DraftCache:
@@ -80,6 +91,7 @@ class DFlashDrafter:
         target_lm_head: nn.Module,
         device=None,
         copy_source: bool = True,
+        lookup: NgramTable | None = None,
     ):
         cfg = model.config
         vocab, hidden = target_lm_head.weight.shape
@@ -88,6 +100,8 @@ class DFlashDrafter:
                 f"target embeddings have width {target_embeddings.embedding_dim} but its LM head reads {hidden}"
             )
         cfg.check_target(hidden_size=hidden, vocab_size=vocab)
+        if lookup is not None and lookup.vocab_size != vocab:
+            raise ValueError(f"the lookup table is for a vocabulary of {lookup.vocab_size} tokens, the target has {vocab}")
         self.device = torch.device(device) if device is not None else target_embeddings.weight.device
         self.model = model.to(self.device).eval()
         self.embed = target_embeddings
@@ -100,26 +114,30 @@ class DFlashDrafter:
         self.cache = DraftCache()
         self._pending: list[Tensor] = []  # committed features [n, F] not yet projected into the cache
         self.copy = NgramDrafter() if copy_source else None
+        self.lookup = lookup
         self.reset_calibration()
 
     def reset_calibration(self) -> None:
         """Forgets what the estimates of P(u) learned (they persist across sequences otherwise)."""
-        self.merge = SourceMerge(
-            {"model": (model_calibrator, lambda t: model_bins(t.scores)), "copy": (copy_calibrator, copy_bins)}
-        )
+        self.merge = SourceMerge({
+            "model": (model_calibrator, lambda t: model_bins(t.scores)),
+            "copy": (copy_calibrator, copy_bins),
+            "lookup": (lookup_calibrator, lookup_bins),
+        })
 
     @classmethod
     def from_pretrained(
-        cls, folder, target_hf_model, device=None, dtype: torch.dtype | None = None, copy_source: bool = True
+        cls, folder, target_hf_model, device=None, dtype: torch.dtype | None = None, copy_source: bool = True,
+        lookup: NgramTable | None = None,
     ) -> DFlashDrafter:
         """Loads a checkpoint folder for an HF causal LM target, after checking that the target fits it.
         The drafter takes the target's device and embedding dtype unless told otherwise; `copy_source`
-        adds prompt-lookup candidates to its trees."""
+        adds prompt-lookup candidates to its trees, `lookup` corpus-lookup ones."""
         tc = target_hf_model.config.get_text_config()
         embed, lm_head = target_hf_model.get_input_embeddings(), target_hf_model.get_output_embeddings()
         DFlashConfig.load(folder).check_target(tc.hidden_size, lm_head.weight.shape[0], tc.num_hidden_layers)
         model = DFlashModel.from_pretrained(folder, dtype=dtype or embed.weight.dtype)
-        return cls(model, embed, lm_head, device=device, copy_source=copy_source)
+        return cls(model, embed, lm_head, device=device, copy_source=copy_source, lookup=lookup)
 
     # -- the Drafter protocol ------------------------------------------------------------------------------
 
@@ -135,9 +153,12 @@ class DFlashDrafter:
 
     @torch.no_grad()
     def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> DFlashProposal:
-        """The block forward's marginals (unless `cheap`) and the copy source's continuations."""
+        """The block forward's marginals (unless `cheap`) and the lookup sources' proposals."""
         copy = self.copy.propose(context_ids, max_depth) if self.copy is not None else None
-        return DFlashProposal(None if cheap else self.marginals(context_ids, max_depth), copy)
+        lookup = None
+        if self.lookup is not None:
+            lookup = self.lookup.propose(context_ids[-self.lookup.orders :].tolist(), max_depth)
+        return DFlashProposal(None if cheap else self.marginals(context_ids, max_depth), copy, lookup)
 
     @torch.no_grad()
     def marginals(self, context_ids: Tensor, max_depth: int) -> Tensor:
@@ -163,13 +184,17 @@ class DFlashDrafter:
         return self.head.expand(self.head(hidden[0, 1 : 1 + depth])).float()  # [H, V]
 
     def build(self, proposal: DFlashProposal, root_token: int, budget: int) -> DraftTree:
-        """The `budget` best nodes of the DDTree over the marginals (the most probable prefixes) and of the
-        copy trie, ranked by their calibrated estimates of P(u)."""
+        """The `budget` best nodes of the DDTree over the marginals (the most probable prefixes), the copy
+        trie and the lookup tree, ranked by their calibrated estimates of P(u)."""
         candidates = {}
         if proposal.marginals is not None and proposal.marginals.shape[0]:
             candidates["model"] = build_ddtree(proposal.marginals, root_token, budget)
         if proposal.copy is not None and proposal.copy.continuations:
             candidates["copy"] = self.copy.trie(proposal.copy, root_token, budget)
+        if proposal.lookup is not None:
+            tree = self.lookup.tree(proposal.lookup, root_token, budget, self.device)
+            if tree.num_nodes:
+                candidates["lookup"] = tree
         return self.merge.build(root_token, candidates, budget, self.device)
 
     def observe(self, tree: DraftTree, reach: Tensor) -> None:

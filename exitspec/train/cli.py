@@ -1,4 +1,5 @@
-"""`exitspec train dflash | exit`: make rollouts of the target, then train a DFlash drafter on them.
+"""`exitspec train dflash | exit | lookup | eval`: make rollouts of the target, train a DFlash drafter on them,
+count their n-grams into a corpus-lookup table, measure held-out acceptance.
 
 exitspec train dflash --rollouts-only --gsm8k 2000 --sharegpt 2000     # target rollouts -> runs/rollouts
 exitspec train dflash --steps 2000 --run-dir runs/dflash                # train (resumes runs/dflash if any)
@@ -6,6 +7,7 @@ torchrun --nproc_per_node 8 -m exitspec train dflash --steps 2000       # the sa
 exitspec train exit --weight exit --lam 1 --budget 32                   # plus λ·L_exit on the drafter's own trees
 torchrun --nproc_per_node 8 -m exitspec train exit --steps 2000         # the exit loss on 8 processes
 exitspec train eval --drafters dflash runs/exit/final --budgets 32 64    # held-out E[τ] = 1 + C_p, no decoding
+exitspec train lookup --rollouts runs/rollouts --out runs/dflash/final/lookup.safetensors  # corpus lookup
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from exitspec.app import (
     resolve_device,
     resolve_dtype,
 )
-from exitspec.drafters import drafter_folder, split_chain
+from exitspec.drafters import NgramTable, drafter_folder, split_chain
 from exitspec.drafters.chain import drafter_label
 from exitspec.models import load_model_and_tokenizer, model_config, model_name
 from exitspec.paired import paired_cell
@@ -73,6 +75,19 @@ def check_training_memory(model, batch_size: int, anchors: int, block_size: int,
         raise ValueError(f"--batch-size {batch_size} × --anchors {anchors} × block {block_size} needs about "
                          f"{need / 2**30:.1f} GiB of draft logits per step, over half of the {free / 2**30:.1f} GiB "
                          "free here; lower one of them")
+
+
+def run_lookup(args) -> int:
+    """`exitspec train lookup`: the n-gram table of every response in a rollout folder (drafters/lookup.py),
+    each counted after its prompt's last tokens, written atomically."""
+    rollouts = load_rollouts(args.rollouts)
+    sequences = (r.prompt_ids[-args.orders :] + r.response_ids for r in rollouts)
+    table = NgramTable.from_sequences(sequences, model_config(args.model).vocab_size, args.orders, args.width)
+    table.save(args.out)
+    tokens = sum(len(r.response_ids) for r in rollouts)
+    print(f"wrote {args.out}: {len(table.entries)} contexts of 1-{args.orders} tokens from {len(rollouts)} "
+          f"responses ({tokens} tokens)")
+    return 0
 
 
 def run_eval_command(args) -> int:
