@@ -163,7 +163,7 @@ def generate(args) -> int:
             "prompt_ids": result.prompt_ids,
             "token_ids": result.tokens,
             "text": result.text,
-            "settings": dict(spec_settings, model=args.model, drafter=args.drafter, device=args.device),
+            "settings": dict(spec_settings, model=args.model, drafter=args.drafter, lookup=args.lookup, device=args.device),
             "stats": result.summary(),
         }
         if baseline:

@@ -67,14 +67,14 @@ def load_drafter(spec: str | Path, target_hf_model, lookup: str | Path = "auto")
             raise ValueError("a lookup table adds to a DFlash drafter's trees; 'ngram' takes none")
         drafter = NgramDrafter()
     else:
+        path = _lookup_path(split_chain(spec)[0], folder, lookup)
         vocab_size = target_hf_model.get_output_embeddings().weight.shape[0]
-        table = _lookup_table(split_chain(spec)[0], folder, lookup)
-        table = table and NgramTable.load(table, vocab_size)
+        table = NgramTable.load(path, vocab_size) if path is not None else None
         drafter = DFlashDrafter.from_pretrained(folder, target_hf_model, lookup=table)
     return ChainDrafter(drafter) if split_chain(spec)[1] else drafter
 
 
-def _lookup_table(spec: str, folder: Path, lookup: str | Path) -> Path | None:
+def _lookup_path(spec: str, folder: Path, lookup: str | Path) -> Path | None:
     """The lookup table's path for a DFlash drafter (see load_drafter), None for none."""
     if str(lookup) == "none":
         return None

@@ -14,8 +14,8 @@ DFlashDrafter ranks its nodes against the model's and prompt lookup's on one sca
 (calibrate.py), as it does a model's prefix probabilities.
 
 The table lives in a safetensors file (`exitspec train lookup` writes one from a rollout folder): per order
-k, contexts [M_k, k], next tokens and counts [M_k, width] (token −1 pads) and totals [M_k], int32, and the
-target's vocabulary size in its metadata, checked on load.
+k, contexts [M_k, k] and next tokens [M_k, width] (int32, −1 pads) with their estimates q [M_k, width]
+(float32), and the orders and the target's vocabulary size in its metadata, checked on load.
 """
 
 from __future__ import annotations
