@@ -89,6 +89,8 @@ def build_parser() -> Parser:
     lookup.add_argument("--out", type=Path, required=True, help="the table (safetensors), e.g. DRAFTER/lookup.safetensors")
     lookup.add_argument("--orders", type=integer(1, 8), default=3, help="context lengths 1..K looked up (default 3)")
     lookup.add_argument("--width", type=integer(1, 64), default=4, help="next tokens kept per context (default 4)")
+    lookup.add_argument("--min-count", type=integer(1), default=2,
+                        help="keep contexts seen at least this often (default 2: once says little)")
     curve = command(stages, "curve", "plot the held-out curve (τ, depth-1 top-1) of training runs against tokens",
                     [], "exitspec.train.curve:run", DEFAULTS)
     curve.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding log.jsonl")

@@ -53,9 +53,12 @@ class NgramTable:
         self.orders, self.vocab_size = orders, vocab_size
 
     @classmethod
-    def from_sequences(cls, sequences: Iterable[Sequence[int]], vocab_size: int, orders: int = 3, width: int = 4):
+    def from_sequences(
+        cls, sequences: Iterable[Sequence[int]], vocab_size: int, orders: int = 3, width: int = 4, min_count: int = 1
+    ) -> NgramTable:
         """Counts every n-gram of 2..orders+1 tokens in `sequences` (each a prompt's last tokens and the
-        target's response to it)."""
+        target's response to it); keeps the contexts seen at least `min_count` times (a context seen once
+        says little, and such contexts are most of a large table)."""
         counts: dict[tuple[int, ...], Counter] = {}
         for seq in sequences:
             seq = list(seq)
@@ -67,6 +70,7 @@ class NgramTable:
         entries = {
             context: [(y, c / (sum(after.values()) + 1)) for y, c in after.most_common(width)]
             for context, after in counts.items()
+            if after.total() >= min_count
         }
         return cls(entries, orders, vocab_size)
 

@@ -82,7 +82,9 @@ def run_lookup(args) -> int:
     each counted after its prompt's last tokens, written atomically."""
     rollouts = load_rollouts(args.rollouts)
     sequences = (r.prompt_ids[-args.orders :] + r.response_ids for r in rollouts)
-    table = NgramTable.from_sequences(sequences, model_config(args.model).vocab_size, args.orders, args.width)
+    table = NgramTable.from_sequences(
+        sequences, model_config(args.model).vocab_size, args.orders, args.width, args.min_count
+    )
     table.save(args.out)
     tokens = sum(len(r.response_ids) for r in rollouts)
     print(f"wrote {args.out}: {len(table.entries)} contexts of 1-{args.orders} tokens from {len(rollouts)} "
