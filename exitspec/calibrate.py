@@ -70,8 +70,13 @@ COPY_DEPTHS, COPY_SHARES = 8, 4  # copy nodes: depth 1..8 (deeper in the last) x
 def model_calibrator() -> Calibrator:
     """For a model's prefix probability q: bin b holds -log q in [b/2, (b+1)/2) nats; prior q / 2 (drafters
     are overconfident far more often than not, and a bin earns its estimate from what the target accepts)."""
+    return Calibrator(_half_bin_centres()[None])
+
+
+def _half_bin_centres() -> Tensor:
+    """[MODEL_BINS] q / 2 at the centre of each bin of -log q: the prior of prefix-probability bins."""
     centres = torch.arange(MODEL_BINS, dtype=torch.float64) + 0.5
-    return Calibrator(0.5 * torch.exp(-MODEL_BIN_NATS * centres)[None])
+    return 0.5 * torch.exp(-MODEL_BIN_NATS * centres)
 
 
 def model_bins(scores: Sequence[float]) -> list[int]:
@@ -82,9 +87,8 @@ def lookup_calibrator() -> Calibrator:
     """For corpus-lookup nodes by (depth, prefix probability q under the n-gram table): a table's chains stay
     confident where the target has long left them, so depth d gets its own row of q bins; prior
     q / 2 · 0.6^(d-1)."""
-    centres = torch.arange(MODEL_BINS, dtype=torch.float64) + 0.5
     depth = torch.arange(COPY_DEPTHS, dtype=torch.float64)
-    return Calibrator(0.5 * torch.exp(-MODEL_BIN_NATS * centres)[None] * 0.6 ** depth[:, None])
+    return Calibrator(_half_bin_centres()[None] * 0.6 ** depth[:, None])
 
 
 def lookup_bins(tree: DraftTree) -> list[int]:
@@ -129,7 +133,8 @@ class SourceMerge:
 
     def build(self, root_token: int, candidates: dict[str, DraftTree], budget: int, device=None) -> DraftTree:
         """The `budget` best nodes over all sources' candidate trees, by calibrated estimate of P(u); the root
-        alone when no source has a candidate."""
+        alone when no source has a candidate node."""
+        candidates = {name: tree for name, tree in candidates.items() if tree.num_nodes}
         if not candidates:
             self._origins = [[]]
             return DraftTree.root_only(root_token, device)

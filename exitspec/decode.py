@@ -261,9 +261,9 @@ class SpeculativeDecoder:
         features = target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
         drafter.begin(torch.tensor(prompt_ids, device=target.device), features)
         prefill_seconds = time.perf_counter() - start
-        context = list(prompt_ids)
         context_ids = torch.empty(target.max_context, dtype=torch.long, device=target.device)  # [C], filled as it grows
-        context_ids[: len(context)] = torch.tensor(context)
+        context_ids[: len(prompt_ids)] = torch.tensor(prompt_ids)
+        length, root = len(prompt_ids), prompt_ids[-1]  # of the context so far, and its last token
         generator = torch.Generator(device=target.device).manual_seed(seed)
         rounds: list[RoundStats] = []
         while not run.done:
@@ -272,12 +272,11 @@ class SpeculativeDecoder:
                 run.stopped_by = "context"
                 break
             max_depth = min(run.max_new_tokens - len(run.tokens) - 1, room - 1)
-            root = context[-1]
             cheap = auto is not None and auto.cheap_round()
             timer.last.clear()
             if cap > 0 and max_depth > 0:
                 with timer("draft"):
-                    proposal = drafter.propose(context_ids[: len(context)], max_depth, cheap=cheap)
+                    proposal = drafter.propose(context_ids[:length], max_depth, cheap=cheap)
                 with timer("build"):
                     tree = drafter.build(proposal, root, cap)
                     if tree.num_nodes > cap or tree.depth > max_depth or int(tree.tokens[0]) != root:
@@ -320,8 +319,8 @@ class SpeculativeDecoder:
                             stage["target"] + stage["verify"] + stage["commit"], coverage)
             block = verdict.output_tokens(tree)
             emitted = run.emit(block)
-            context_ids[len(context) : len(context) + len(block)] = torch.tensor(block)
-            context.extend(block)
+            context_ids[length : length + len(block)] = torch.tensor(block)
+            length, root = length + len(block), block[-1]
             rounds.append(RoundStats(tree.num_nodes, len(verdict.path), emitted, coverage))
             if on_round is not None:
                 on_round(RoundTrace(tree, rows.all(), verdict, emitted))

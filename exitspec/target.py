@@ -265,7 +265,8 @@ class TargetModel:
         """
         logits, taps = self.backend.forward(ids, pos, visible, logits_to_keep)  # [n, V] float32, [n, D] each
         if check is not None:
-            bad = ~torch.isfinite(logits.sum(dim=-1))  # [n]: a NaN or ±inf logit makes its row's sum non-finite (so would finite logits summing past ±3e38)
+            # [n]: a NaN or ±inf logit makes its row's sum non-finite (so would finite logits summing past ±3e38)
+            bad = ~torch.isfinite(logits.sum(dim=-1))
             if bool(bad.any()):
                 self.backend.crop(self._len)
                 raise ValueError(f"target produced non-finite logits at {check} {int(torch.nonzero(bad)[0])}")

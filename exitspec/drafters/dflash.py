@@ -192,9 +192,7 @@ class DFlashDrafter:
         if proposal.copy is not None and proposal.copy.continuations:
             candidates["copy"] = self.copy.trie(proposal.copy, root_token, budget)
         if proposal.lookup is not None:
-            tree = self.lookup.tree(proposal.lookup, root_token, budget, self.device)
-            if tree.num_nodes:
-                candidates["lookup"] = tree
+            candidates["lookup"] = self.lookup.tree(proposal.lookup, root_token, budget, self.device)
         return self.merge.build(root_token, candidates, budget, self.device)
 
     def observe(self, tree: DraftTree, reach: Tensor) -> None:

@@ -67,11 +67,11 @@ class NgramTable:
             for end in range(1, len(seq)):
                 for k in range(1, min(orders, end) + 1):
                     counts.setdefault(tuple(seq[end - k : end]), Counter())[seq[end]] += 1
-        entries = {
-            context: [(y, c / (sum(after.values()) + 1)) for y, c in after.most_common(width)]
-            for context, after in counts.items()
-            if after.total() >= min_count
-        }
+        entries = {}
+        for context, after in counts.items():
+            total = after.total()
+            if total >= min_count:
+                entries[context] = [(y, c / (total + 1)) for y, c in after.most_common(width)]
         return cls(entries, orders, vocab_size)
 
     def next_tokens(self, context: Sequence[int]) -> list[tuple[int, float]]:
