@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from exitspec import setup_cpu
+from exitspec.budget import DENSE
 from exitspec.drafters import load_drafter
 from exitspec.models import load_model_and_tokenizer, model_config
-from exitspec.options import DEFAULT_MODEL, DTYPES, budget_cap, check_device_name
+from exitspec.options import DEFAULT_MODEL, DTYPES, budget_cap, check_device_name, parse_budget
 from exitspec.target import TargetModel
 
 __all__ = ["load_decoders", "resolve_device", "resolve_dtype", "setup_cpu"]
@@ -62,13 +63,19 @@ def load_decoders(
     dtype: str | torch.dtype = "auto",
     threads: int | None = None,
     lookup: str | Path = "auto",
+    budgets: Sequence[int | str] = ("auto",),
+    warm_start: bool = True,
 ):
-    """{drafter spec: SpeculativeDecoder}, all sharing one copy of the target's weights.
+    """{drafter spec: SpeculativeDecoder}, all sharing one copy of the target's weights and one calibration.
 
     model: a local HF causal-LM folder, None for the default SmolLM2-135M-Instruct. drafters: specs of
     `drafters.load_drafter` ('dflash', 'exittrain', 'ngram', a checkpoint folder, chain:SPEC), each checked
     against the target; each decoder's TargetModel taps exactly the layers its drafter reads. `lookup`: the
-    DFlash drafters' corpus-lookup table (load_drafter: auto, none or a path).
+    DFlash drafters' corpus-lookup table (load_drafter: auto, none or a path). Each decoder is calibrated
+    for the largest of `budgets` (`SpeculativeDecoder.calibrate`: one cost grid, the same row plan on every
+    decoder's target), so its speculative and autoregressive runs share one forward configuration from the
+    start; no `budgets` (a command that times no decoding) skips it. `warm_start`: each decoder's runs start
+    from what earlier processes learned under the same settings, and save what they learn (warm.py).
     """
     from exitspec.decode import SpeculativeDecoder
 
@@ -76,10 +83,13 @@ def load_decoders(
         torch.set_num_threads(threads)
     device = resolve_device(device)
     hf_model, tokenizer = load_model_and_tokenizer(model, device, resolve_dtype(dtype, device))
-    decoders = {}
+    decoders, cost = {}, None
     for spec in dict.fromkeys(drafters):
         drafter = load_drafter(spec, hf_model, lookup)
-        decoders[spec] = SpeculativeDecoder(TargetModel(hf_model, tokenizer, drafter.feature_layers), drafter)
+        decoders[spec] = SpeculativeDecoder(TargetModel(hf_model, tokenizer, drafter.feature_layers), drafter,
+                                            warm_start)
+        if budgets:
+            cost = decoders[spec].calibrate(max(DENSE, *(budget_cap(parse_budget(b)) for b in budgets)), cost=cost)
     return decoders
 
 

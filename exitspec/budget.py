@@ -32,18 +32,25 @@ otherwise cost about 4% of the run (MT-Bench, session 25).
 from __future__ import annotations
 
 import bisect
+import datetime
 import hashlib
 import itertools
 import json
-import os
+import math
+import statistics
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 import torch
 import torch.nn.functional as F
 
 from exitspec.lean import Panels
+from exitspec.models import cache_dir, write_atomic
 from exitspec.target import synchronize
 from exitspec.tree import DraftTree
 
@@ -52,7 +59,11 @@ SPARSE = (48, 64, 96, 128, 192, 256)  # and these beyond it
 PLAN_GAIN = 0.05  # a tree runs another way (in panels, on more rows) only if it is measured this much cheaper
 EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 256
-MEASURE_VERSION = 5  # part of the cost cache's key: files from an older `measure` are measured again
+MEASURE_VERSION = 6  # part of the cost cache's key: files from an older `measure` are measured again
+MAX_OTHER_LOAD = 0.15  # a grid measured while other processes used more of the CPUs than this is not cached
+MAX_SPREAD = 0.2  # nor one whose repeats disagreed by more (second-fastest over fastest, median over sizes)
+SPOT_SIZES = (0, 2, 4, 8, 16)  # the sizes `agrees_with` re-times
+SPOT_TOLERANCE = 1.5  # a cached grid whose cost ratios are off by more than this factor is measured again
 
 
 @dataclass
@@ -64,6 +75,7 @@ class CostModel:
     ratio: float = 1.0  # running mean of measured / predicted seconds
     smoothing: float = 0.1
     panels: list[bool] | None = None  # per size: measured cheaper with the weights in panels (None: never)
+    info: dict = field(default_factory=dict)  # how it was measured: measured_at, other_load, spread
     padded: list[int] = field(init=False)  # padded[i]: the index of the size whose rows a tree of sizes[i] runs on
     effective: list[float] = field(init=False)  # effective[i]: the seconds of the size a tree of sizes[i] runs as
 
@@ -102,59 +114,134 @@ class CostModel:
 
         Chains have the largest depth for their size, so positions and mask are the dearest case. Per way, one
         pass over all sizes warms every shape up; then each size keeps the fastest of `repeats` runs, since other
-        work on the machine only ever adds time (a median taken under load once made one extra token look 40%
-        dearer, and `auto` then never drafted). The target's cache and row plan are reset afterwards.
+        work on the machine only ever adds time. `info` records when, how busy the rest of the machine was
+        (`other_load`) and how far the repeats disagreed: `trustworthy` decides from it whether to cache the grid.
+        The target's cache and row plan are left as they were.
         """
         sizes = sorted({*range(min(max_size, DENSE) + 1), *(n for n in SPARSE if n <= max_size), max_size})
         # whole weights, then Panels: a CPU BLAS's way out of its few-row slowness (a GPU's is not slow there),
         # where their copy of the weights takes at most half the free memory
         weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
         panels_fit = target.device.type == "cpu" and 2 * weight_bytes < psutil.virtual_memory().available
+        plan = target.row_plan
         ways = (False, True) if target.use_row_plan({}) and panels_fit else (False,)
-        device = target.device
-        context = max(1, min(context, target.max_context - max(sizes) - 2))
-        ids = torch.arange(context, device=device) % target.vocab_size
-        target.reset()
-        target.prefill(ids)
-        trees = [DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=device) for n in sizes]
-        seconds = {}
-        for way, runs in itertools.product(ways, (1, repeats)):  # per way: the warm-up pass, then the timed one
-            target.use_row_plan({tree.size: (tree.size, way) for tree in trees})
-            seconds[way] = []
-            for tree in trees:
-
-                def verify_nothing(tree: DraftTree = tree) -> None:
-                    target.forward_tree(tree)
-                    target.commit(tree, [])
-
-                seconds[way].append(fastest(verify_nothing, runs, device, lambda: target.truncate(context)))
-        target.reset()
-        target.use_row_plan({})
+        seconds, spreads = {}, []
+        with other_load() as load:
+            for way, runs in itertools.product(ways, (1, repeats)):  # per way: the warm-up pass, then the timed one
+                target.use_row_plan({n + 1: (n + 1, way) for n in sizes})
+                times = time_chains(target, sizes, runs, context)
+                seconds[way] = [min(t) for t in times]
+                spreads += [sorted(t)[1] / min(t) - 1 for t in times if len(t) > 1]
+        target.use_row_plan(plan)
         panels = [len(ways) > 1 and s < (1 - PLAN_GAIN) * w for w, s in zip(seconds[False], seconds[ways[-1]])]
-        return cls(sizes, [seconds[p][i] for i, p in enumerate(panels)], panels=panels)
+        info = {"measured_at": datetime.datetime.now().isoformat(timespec="seconds"), "other_load": round(load["other"], 3),
+                "spread": round(statistics.median(spreads), 3) if spreads else 0.0}
+        return cls(sizes, [seconds[p][i] for i, p in enumerate(panels)], panels=panels, info=info)
+
+    def trustworthy(self) -> str | None:
+        """None when the grid may be cached; else why not (measured under load, or repeats that disagree)."""
+        if self.info.get("other_load", 0.0) > MAX_OTHER_LOAD:
+            return f"other processes used {self.info['other_load']:.0%} of the CPUs while it was measured"
+        if self.info.get("spread", 0.0) > MAX_SPREAD:
+            return f"its repeats disagreed by {self.info['spread']:.0%} (median over sizes)"
+        return None
+
+    def agrees_with(self, target, context: int = 256) -> bool:
+        """A quick check of a cached grid on the machine as it is now: trees of a few sizes, run with this grid's
+        row plan, must cost what the grid says relative to one step (within a factor SPOT_TOLERANCE). Ratios,
+        not seconds, so a busy machine does not fail a true grid; a grid measured under load (its N ≥ 1 costs
+        inflated unevenly) fails."""
+        sizes = [n for n in SPOT_SIZES if n <= self.sizes[-1]]
+        plan = target.row_plan
+        target.use_row_plan(self.row_plan())
+        time_chains(target, sizes, 1, context)  # warm-up
+        now = [min(t) for t in time_chains(target, sizes, 3, context)]
+        target.use_row_plan(plan)
+        return all(
+            abs(math.log((now[k] / now[0]) / (self.base(n) / self.base(0)))) <= math.log(SPOT_TOLERANCE)
+            for k, n in enumerate(sizes)
+        )
 
     @classmethod
-    def cached(cls, target, max_size: int) -> CostModel:
-        """`measure`, once per model, device, dtype, backend, thread count and max size; kept in exitspec's cache."""
-        from exitspec.models import cache_dir
+    def cached(cls, target, max_size: int, refresh: bool = False) -> CostModel:
+        """`measure`, once per model, device, dtype, backend, thread count and max size, kept in exitspec's cache.
 
-        key = json.dumps([
-            target.model.config.to_json_string(use_diff=False), str(target.device), str(target.model.dtype),
-            type(target.backend).__name__, torch.get_num_threads(), torch.__version__, max_size, MEASURE_VERSION,
-        ])
-        path = cache_dir() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-        if path.is_file():
+        A cached grid is used after `agrees_with` confirms it; one that does not (or `refresh`) is measured
+        again, and a measurement is cached only when `trustworthy`: a busy machine never poisons the cache."""
+        path = cost_path(target, max_size)
+        if not refresh and path.is_file():
             try:
                 data = json.loads(path.read_text())
-                return cls(data["sizes"], data["seconds"], panels=data["panels"])
-            except (ValueError, KeyError):
-                pass  # a damaged file is measured again and replaced
+                model = cls(data["sizes"], data["seconds"], panels=data["panels"], info=data.get("info", {}))
+            except (ValueError, KeyError, TypeError) as e:
+                warnings.warn(f"{path}: a damaged cost grid ({e}); measuring again", stacklevel=2)
+            else:
+                if model.agrees_with(target):
+                    return model
+                warnings.warn(f"{path}: the cached cost grid disagrees with this machine now; measuring again",
+                              stacklevel=2)
         model = cls.measure(target, max_size)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"sizes": model.sizes, "seconds": model.seconds, "panels": model.panels}))
-        tmp.replace(path)
+        why = model.trustworthy()
+        if why is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps({"sizes": model.sizes, "seconds": model.seconds, "panels": model.panels,
+                                           "info": model.info}))
+        else:
+            warnings.warn(f"the cost grid is used for this run but not cached: {why}", stacklevel=2)
         return model
+
+
+def cost_path(target, max_size: int) -> Path:
+    """The cost cache's file for this target (model, device, dtype, backend, threads, torch) and max size."""
+    key = json.dumps([
+        target.model.config.to_json_string(use_diff=False), str(target.device), str(target.model.dtype),
+        type(target.backend).__name__, torch.get_num_threads(), torch.__version__, max_size, MEASURE_VERSION,
+    ])
+    return cache_dir() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def calibrate(target, max_size: int = DENSE, refresh: bool = False, cost: CostModel | None = None) -> CostModel:
+    """The target's cost grid (`CostModel.cached`, or `cost`: one already measured on the same weights), and its
+    row plan installed on the target: the one place a row plan is set. Every later forward of this target, and
+    of its `sibling`s, runs by that plan."""
+    cost = cost or CostModel.cached(target, max_size, refresh)
+    target.use_row_plan(cost.row_plan())
+    return cost
+
+
+def time_chains(target, sizes: list[int], repeats: int, context: int) -> list[list[float]]:
+    """Seconds of forward_tree + commit of a chain tree of each size after `context` cached tokens, `repeats`
+    times each ([len(sizes)][repeats]); the target's cache is empty afterwards."""
+    context = max(1, min(context, target.max_context - max(sizes) - 2))
+    target.reset()
+    target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
+    times = []
+    for n in sizes:
+        tree = DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=target.device)
+
+        def verify_nothing(tree: DraftTree = tree) -> None:
+            target.forward_tree(tree)
+            target.commit(tree, [])
+
+        times.append(timings(verify_nothing, repeats, target.device, lambda: target.truncate(context)))
+    target.reset()
+    return times
+
+
+@contextmanager
+def other_load() -> Iterator[dict[str, float]]:
+    """Yields a dict whose "other" is set, when the `with` block ends, to the share of the machine's CPU time
+    (0–1) that other processes used meanwhile: all CPUs' busy time (steal included) minus this process's own,
+    over wall time × CPUs."""
+    def busy(t) -> float:
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+    share: dict[str, float] = {}
+    wall0, system0, own0 = time.perf_counter(), psutil.cpu_times(), psutil.Process().cpu_times()
+    yield share
+    wall, system, own = time.perf_counter(), psutil.cpu_times(), psutil.Process().cpu_times()
+    others = busy(system) - busy(system0) - (own.user + own.system - own0.user - own0.system)
+    share["other"] = min(1.0, max(0.0, others) / max((wall - wall0) * (psutil.cpu_count() or 1), 1e-9))
 
 
 def cheaper_panels(weight: torch.Tensor, rows: int, repeats: int = 5) -> Panels | None:
@@ -169,17 +256,22 @@ def cheaper_panels(weight: torch.Tensor, rows: int, repeats: int = 5) -> Panels 
 
 
 def fastest(run, repeats: int, device: torch.device, reset=lambda: None) -> float:
-    """Seconds of the fastest of `repeats` calls of run() (the device's queued work included), calling reset()
-    untimed after each: other work on the machine only ever adds time."""
-    best = float("inf")
+    """Seconds of the fastest of `repeats` calls of run(): other work on the machine only ever adds time."""
+    return min(timings(run, repeats, device, reset))
+
+
+def timings(run, repeats: int, device: torch.device, reset=lambda: None) -> list[float]:
+    """Seconds of each of `repeats` calls of run() (the device's queued work included), calling reset() untimed
+    after each."""
+    seconds = []
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
         run()
         synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        seconds.append(time.perf_counter() - start)
         reset()
-    return best
+    return seconds
 
 
 def best_size(scores, cost: CostModel, draft_seconds: float, cap: int) -> int:
@@ -239,3 +331,29 @@ class AutoBudget:
             self.next_explore = self.rounds + self.explore_every - 1
             self.exploring = False
 
+    def state(self) -> dict:
+        """The running rates and the exploring schedule, JSON-ready (not the cost model: it follows the machine)."""
+        kinds = {"full": False, "cheap": True}
+        return {
+            "draft_seconds": {name: self.draft_seconds[cheap] for name, cheap in kinds.items()},
+            "rate": {name: self.rate[cheap] for name, cheap in kinds.items()},
+            "rounds": self.rounds, "explore_every": self.explore_every, "next_explore": self.next_explore,
+        }
+
+    def restore(self, state: dict) -> None:
+        """Continues from a `state()`; ValueError (and nothing changed) unless each field is there and in range."""
+        def number(x) -> bool:
+            return isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
+
+        try:
+            seconds, rate = ([state[part][kind] for kind in ("full", "cheap")] for part in ("draft_seconds", "rate"))
+            counters = [state[name] for name in ("rounds", "explore_every", "next_explore")]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"an auto-budget state without {e}") from None
+        if not (all(map(number, seconds)) and all(r is None or number(r) for r in rate)
+                and all(isinstance(c, int) and c >= 0 for c in counters)
+                and EXPLORE_EVERY <= counters[1] <= MAX_EXPLORE_EVERY):
+            raise ValueError(f"an auto-budget state out of range: {state}")
+        self.draft_seconds, self.rate = dict(zip((False, True), seconds)), dict(zip((False, True), rate))
+        self.rounds, self.explore_every, self.next_explore = counters
+        self.exploring = False

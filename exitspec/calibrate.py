@@ -62,6 +62,24 @@ class Calibrator:
             self.count[b] = self.decay * self.count[b] + 1.0
         self._table = None
 
+    def state(self) -> dict:
+        """What the bins learned, JSON-ready: {"mass": [rows * cols], "count": [rows * cols]} (the prior is code)."""
+        return {"mass": list(self.mass), "count": list(self.count)}
+
+    def load_state(self, state: dict) -> None:
+        """Restores a `state()`; ValueError (and nothing changed) unless it holds a finite mass and count >= 0
+        for each of this grid's bins."""
+        bins = len(self.prior)
+        if not isinstance(state, dict) or set(state) != {"mass", "count"}:
+            raise ValueError("a calibrator's state holds exactly 'mass' and 'count'")
+        for name, values in state.items():
+            if not isinstance(values, list) or len(values) != bins:
+                raise ValueError(f"a calibrator's {name!r} needs {bins} bins")
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+                raise ValueError(f"a calibrator's {name!r} holds a value that is not a finite number >= 0")
+        self.mass, self.count = [float(v) for v in state["mass"]], [float(v) for v in state["count"]]
+        self._table = None
+
 
 MODEL_BIN_NATS, MODEL_BINS = 0.5, 24  # model scores: bins of half a nat of -log q, the last one open
 COPY_DEPTHS, COPY_SHARES = 8, 4  # copy nodes: depth 1..8 (deeper in the last) x share of agreeing matches
@@ -128,8 +146,28 @@ class SourceMerge:
     def use(self, setting: Hashable) -> None:
         """Estimates learned under `setting` from here on (the sampling parameters of the rounds to come)."""
         if setting not in self._by_setting:
-            self._by_setting[setting] = {name: make() for name, (make, _) in self.sources.items()}
-        self.calibrators = self._by_setting[setting]
+            self._by_setting[setting] = self._fresh()
+        self.setting, self.calibrators = setting, self._by_setting[setting]
+
+    def state(self, setting: Hashable) -> dict:
+        """What the calibrators learned under `setting`, JSON-ready: {source: Calibrator.state()}; fresh ones'
+        for a setting not used yet."""
+        return {name: c.state() for name, c in (self._by_setting.get(setting) or self._fresh()).items()}
+
+    def load_state(self, setting: Hashable, state: dict) -> None:
+        """Restores a `state(setting)`; ValueError (and nothing changed) unless it holds a fitting state for
+        exactly these sources."""
+        if not isinstance(state, dict) or set(state) != set(self.sources):
+            raise ValueError(f"a calibration state holds exactly the sources {sorted(self.sources)}")
+        calibrators = self._fresh()
+        for name, calibrator in calibrators.items():
+            calibrator.load_state(state[name])
+        self._by_setting[setting] = calibrators
+        if setting == self.setting:
+            self.calibrators = calibrators
+
+    def _fresh(self) -> dict[str, Calibrator]:
+        return {name: make() for name, (make, _) in self.sources.items()}
 
     def build(self, root_token: int, candidates: dict[str, DraftTree], budget: int, device=None) -> DraftTree:
         """The `budget` best nodes over all sources' candidate trees, by calibrated estimate of P(u); the root

@@ -32,6 +32,7 @@ from exitspec.options import (
     MAX_BUDGET,
     VERIFIERS,
     Parser,
+    budget_cap,
     budget_option,
     common_options,
     drafter_option,
@@ -40,6 +41,7 @@ from exitspec.options import (
     lookup_option,
     model_options,
     option,
+    parse_budget,
     real,
     run_command,
     sampling_options,
@@ -73,6 +75,10 @@ def build_parser() -> Parser:
                          [model, sampling_options(temperature=1.0)], "exitspec.inspect:run"))  # a sampled target
     _add_bench(command(commands, "bench", "τ and speedup (SR) on datasets: paper-style tables, report and plots",
                        [model, sampling_options(many=True)], "exitspec.bench.cli:run"))
+    calibrate = command(commands, "calibrate", "measure the target's cost against tree size again (the cost cache)",
+                        [model], "exitspec.cli:calibrate")
+    calibrate.add_argument("--budget", type=budget_option, default="auto", metavar="B|auto|auto:B",
+                           help="the largest tree to measure (default auto: 32 draft tokens)")
     _add_latency(command(commands, "latency", "latency of the verifier decision alone, predraw vs TEV (table 3)",
                          [model], "exitspec.bench.verifier:run"))
     train = commands.add_parser("train", help="train a drafter, or measure held-out acceptance", parents=[common])
@@ -132,7 +138,6 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 def generate(args) -> int:
     from exitspec.app import check_budgets, load_decoders, resolve_device
-    from exitspec.decode import generate_autoregressive
     from exitspec.drafters import default_drafter
     from exitspec.sampling import SamplingParams
     from exitspec.verify import check_verifier
@@ -141,7 +146,8 @@ def generate(args) -> int:
     args.drafter = args.drafter or default_drafter(args.model)
     resolve_device(args.device)
     check_budgets([args.budget], args.model, args.device)
-    decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads, args.lookup)[args.drafter]
+    decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads, args.lookup,
+                            budgets=[args.budget], warm_start=not args.no_warm_start)[args.drafter]
     settings = {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat,
@@ -149,14 +155,14 @@ def generate(args) -> int:
     spec_settings = dict(settings, budget=args.budget, verifier=args.verifier)
     if args.compare:  # one short warm-up of each loop, so that neither pays one-time costs in the timing
         decoder.generate(args.prompt, **dict(spec_settings, max_new_tokens=4))
-        generate_autoregressive(decoder.target, args.prompt, **dict(settings, max_new_tokens=4))
+        decoder.autoregressive(args.prompt, **dict(settings, max_new_tokens=4))
     stream = None if args.json else lambda text: print(text, end="", flush=True)
     result = decoder.generate(args.prompt, stream=stream, **spec_settings)
     speedups, baseline = [], None
     for i in range(args.repeats if args.compare else 0):  # spec, base, spec, base, ...: load drift hits both
         if not args.json:
             print(f"\n[compare {i + 1}/{args.repeats}: autoregressive run ...]", end="", file=sys.stderr, flush=True)
-        baseline = generate_autoregressive(decoder.target, args.prompt, **settings)
+        baseline = decoder.autoregressive(args.prompt, **settings)
         spec = result if i == 0 else decoder.generate(args.prompt, **spec_settings)
         speedups.append(baseline.total_seconds / spec.total_seconds)
     if args.json:
@@ -185,6 +191,23 @@ def generate(args) -> int:
                  f"alternated pairs, range {min(speedups):.2f}–{max(speedups):.2f}; "
                  f"{baseline.tokens_per_second:.1f} tok/s)")
     print(line + "]", file=sys.stderr)
+    return 0
+
+
+def calibrate(args) -> int:
+    """Measures the target stage's cost against N afresh (budget.CostModel), caches it when the machine was
+    quiet, and prints the grid, the row plan and how it was measured."""
+    from exitspec.app import load_decoders
+
+    decoder = load_decoders(args.model, ["ngram"], args.device, args.dtype, args.threads, budgets=())["ngram"]
+    cost = decoder.calibrate(budget_cap(parse_budget(args.budget)), refresh=True)
+    step = cost.seconds[0]
+    print(f"one step: {1000 * step:.1f} ms; measured {cost.info['measured_at']}, other processes used "
+          f"{cost.info['other_load']:.0%} of the CPUs, repeats within {cost.info['spread']:.0%}; "
+          + ("cached" if cost.trustworthy() is None else f"not cached: {cost.trustworthy()}"))
+    print("N      " + " ".join(f"{n:>5}" for n in cost.sizes))
+    print("× step " + " ".join(f"{s / step:5.2f}" for s in cost.effective))
+    print(f"row plan (rows: rows run on, in panels): {decoder.target.forward_config()['row_plan']}")
     return 0
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from exitspec.budget import AutoBudget, CostModel
+from exitspec.budget import DENSE, AutoBudget, CostModel, calibrate
 from exitspec.drafters import Drafter, default_drafter
 from exitspec.flow import observed_reach, parent_row_flow, tree_flow
 from exitspec.options import budget_cap, parse_budget
@@ -30,6 +30,7 @@ from exitspec.sampling import SamplingParams, WarpedRows
 from exitspec.target import TargetModel, synchronize
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS, Verdict, check_verifier, decide_tev_rows
+from exitspec.warm import WarmStart
 
 STAGES = ("draft", "build", "target", "verify", "commit")
 Prompt = str | Sequence[dict] | Sequence[int] | Tensor
@@ -81,6 +82,7 @@ class GenerationResult:
     prefill_seconds: float
     total_seconds: float  # prefill included
     stopped_by: str  # "stop_token", "max_new_tokens", "max_rounds" or "context"
+    forward_config: dict = field(default_factory=dict)  # TargetModel.forward_config() of the run's target
 
     @property
     def tau(self) -> float:
@@ -109,6 +111,7 @@ class GenerationResult:
             "total_seconds": self.total_seconds,
             "stage_seconds": {s: self.stage_seconds.get(s, 0.0) for s in STAGES},
             "stopped_by": self.stopped_by,
+            "forward": self.forward_config,
         }
 
 
@@ -191,7 +194,7 @@ class _Run:
 class SpeculativeDecoder:
     """Exact tree speculative decoding of `target` with proposals from `drafter`."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter):
+    def __init__(self, target: TargetModel, drafter: Drafter, warm_start: bool = True):
         if drafter.feature_layers and tuple(drafter.feature_layers) != tuple(target.feature_layers):
             raise ValueError(
                 f"the drafter reads target layers {list(drafter.feature_layers)} but the target taps "
@@ -200,16 +203,29 @@ class SpeculativeDecoder:
         self.target, self.drafter = target, drafter
         self.costs: dict[int, CostModel] = {}  # per cap: the target stage's cost against N (`--budget auto`)
         self._auto: dict[tuple[int, SamplingParams], AutoBudget] = {}  # per cap and sampling settings
+        self.warm_start = warm_start  # start from what earlier processes learned, and save what runs learn
+        self._warm = WarmStart(target, drafter)
+
+    def calibrate(self, cap: int = DENSE, refresh: bool = False, cost: CostModel | None = None) -> CostModel:
+        """The target's cost against tree size up to `cap` (`budget.calibrate`: measured, or read from the cache
+        and spot-checked; or `cost`, another decoder's over the same weights) and the row plan it implies, set
+        on the target: every later forward, speculative or autoregressive (`autoregressive`), runs by it.
+        `app.load_decoders` calls it at load."""
+        if cap not in self.costs or refresh or cost is not None:
+            self.costs[cap] = calibrate(self.target, cap, refresh, cost)
+        return self.costs[cap]
 
     def auto_budget(self, cap: int, params: SamplingParams) -> AutoBudget:
         """`--budget auto:cap`'s running rates under these sampling settings (what a round is worth depends on
-        them), over the cap's cost model, measured (or read from the cache) on first use."""
-        if cap not in self.costs:
-            self.costs[cap] = CostModel.cached(self.target, cap)
-            self.target.use_row_plan(self.costs[cap].row_plan())
+        them), over the cap's cost model (`calibrate`, where load did not already)."""
         if (cap, params) not in self._auto:
-            self._auto[cap, params] = AutoBudget(self.costs[cap], cap)
+            self._auto[cap, params] = AutoBudget(self.calibrate(cap), cap)
         return self._auto[cap, params]
+
+    def autoregressive(self, prompt: Prompt, **settings) -> GenerationResult:
+        """The SR baseline: `generate_autoregressive` on this decoder's own target, so it runs with exactly the
+        weights, backend and row plan that the speculative rounds run with (result.forward_config says so)."""
+        return generate_autoregressive(self.target, prompt, **settings)
 
     @classmethod
     def from_pretrained(
@@ -220,14 +236,16 @@ class SpeculativeDecoder:
         dtype: str | torch.dtype = "auto",
         threads: int | None = None,
         lookup: str | Path = "auto",
+        warm_start: bool = True,
     ) -> SpeculativeDecoder:
         """A local HF model folder (None: the default SmolLM2-135M-Instruct) and a drafter (see load_drafter;
         None: the shipped DFlash drafter for the default model, n-gram for any other) with its corpus-lookup table
-        (auto, none or a path), built by app.load_decoders."""
+        (auto, none or a path), built by app.load_decoders. `warm_start`: runs start from what earlier processes
+        learned under the same settings, and save what they learn (warm.py)."""
         from exitspec.app import load_decoders
 
         spec = str(drafter or default_drafter(model))
-        return load_decoders(model, [spec], device, dtype, threads, lookup)[spec]
+        return load_decoders(model, [spec], device, dtype, threads, lookup, warm_start=warm_start)[spec]
 
     def generate(
         self,
@@ -256,6 +274,8 @@ class SpeculativeDecoder:
         auto = self.auto_budget(cap, params) if isinstance(budget, str) and cap > 0 else None  # measured before timing
         target, drafter = self.target, self.drafter
         drafter.calibrate_for(params)
+        if self.warm_start:
+            self._warm.load(params, auto)  # once per settings in this process (warm.py)
         run, prompt_ids, timer, start = _start_run(target, prompt, max_new_tokens, stop_tokens, stream, chat)
 
         features = target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
@@ -327,7 +347,10 @@ class SpeculativeDecoder:
             if max_rounds is not None and len(rounds) >= max_rounds and not run.done:
                 run.stopped_by = "max_rounds"
                 break
-        return _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
+        result = _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
+        if self.warm_start:
+            self._warm.save(params, auto)
+        return result
 
 
 def generate_autoregressive(
@@ -384,6 +407,7 @@ def _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start) 
     total = time.perf_counter() - start
     text = target.tokenizer.decode(run.tokens, skip_special_tokens=True) if target.tokenizer is not None else None
     return GenerationResult(
-        prompt_ids, run.tokens, text, rounds, dict(timer.seconds), prefill_seconds, total, run.stopped_by
+        prompt_ids, run.tokens, text, rounds, dict(timer.seconds), prefill_seconds, total, run.stopped_by,
+        target.forward_config(),
     )
 

@@ -229,7 +229,8 @@ def run(args) -> int:
     check_verifier(args.verifier, params)
     args.drafter = args.drafter or default_drafter(args.model)
     check_budgets([args.budget], args.model, args.device)
-    decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads, args.lookup)[args.drafter]
+    decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads, args.lookup,
+                            warm_start=not args.no_warm_start)[args.drafter]
     prompt_ids, rounds, tokens = inspect_rounds(
         decoder, prompt, args.rounds, args.budget, params, args.verifier, args.seed, chat=not args.no_chat
     )

@@ -21,6 +21,8 @@ states against the transformers forward to fp32 rounding.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -98,6 +100,21 @@ class Panels:
         return out if bias is None else out + bias
 
 
+class PanelSet(dict):
+    """weight.data_ptr() -> that weight in Panels, for every weight a LeanLlama multiplies by. One set per model,
+    shared by every LeanLlama over it whose row plan uses panels (the model holds a weak reference: the set is
+    freed when no plan uses it)."""
+
+    @classmethod
+    def of(cls, owner: nn.Module, weights: list[Tensor]) -> PanelSet:
+        ref = getattr(owner, "_lean_panels", None)
+        panels = ref() if ref is not None else None
+        if panels is None or any(w.data_ptr() not in panels for w in weights):  # none yet, or the weights moved
+            panels = cls((w.data_ptr(), Panels(w)) for w in weights)
+            object.__setattr__(owner, "_lean_panels", weakref.ref(panels))  # a plain attribute, not a submodule
+        return panels
+
+
 class LeanLayer:
     """One decoder layer's weights, fused: W_qkv [(H + 2 Hkv)·hd, D], W_gate_up [2 I, D], the rest as is."""
 
@@ -167,6 +184,7 @@ class LeanLlama:
             raise ValueError(f"the lean forward does not support this model: {reason}")
         config = model.config.get_text_config(decoder=True)
         base = model.model
+        self.owner = model
         self.embed, self.final_norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
         self.lm_head = model.get_output_embeddings()
         self.layers = [LeanLayer(layer) for layer in base.layers]
@@ -180,20 +198,20 @@ class LeanLlama:
         self.keys = self.values = None  # [layers, Hkv, capacity, hd]
         self.length = 0
         self.row_plan: dict[int, tuple[int, bool]] = {}  # n rows -> (rows to run on, in panels): `linear`
-        self.panels: dict[int, Panels] = {}  # weight.data_ptr() -> the weight in panels, while the plan uses them
+        self.panels: dict[int, Panels] = {}  # the model's PanelSet while the plan uses panels
 
     def reset(self) -> None:
         self.length = 0
 
     def use_row_plan(self, plan: dict[int, tuple[int, bool]]) -> None:
-        """Runs the weight products of n rows as plan[n] = (rows, in panels) says (`linear`); lays the weights out
-        in Panels while some entry uses them, and frees that copy when none does."""
+        """Runs the weight products of n rows as plan[n] = (rows, in panels) says (`linear`); holds the model's
+        PanelSet while some entry uses panels, and lets go of it when none does."""
         self.row_plan = dict(plan)
         if not any(panels for _, panels in self.row_plan.values()):
             self.panels = {}
         elif not self.panels:
             weights = [w for layer in self.layers for w in layer.weights()] + [self.lm_head.weight]
-            self.panels = {w.data_ptr(): Panels(w) for w in weights}
+            self.panels = PanelSet.of(self.owner, weights)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """F.linear over rows x [n, D_in] → [n, D_out], run as row_plan[n] = (rows, in panels) says where it names n:

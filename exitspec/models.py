@@ -29,6 +29,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EXITSPEC_CACHE") or Path.home() / ".cache" / "exitspec")
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Writes `text` to `path` through a temporary sibling renamed into place: a reader never sees half a file,
+    nor does a process killed while writing leave one, and of two writers at once the last one's file stays."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def default_model_dir() -> Path:
     """The default target as a safetensors HF folder, converted from the wheel's GGUF file on first use."""
     target = cache_dir() / "models" / DEFAULT_MODEL

@@ -174,6 +174,9 @@ def model_options(model_flags: Sequence[str] = ("--model",)) -> Parser:
                    help="target weights (default auto: bfloat16 on CUDA, float32 elsewhere)")
     g.add_argument("--threads", type=integer(1), metavar="N",
                    help="torch CPU threads (default: torch's choice; 1 on a CPU shared with other work)")
+    g.add_argument("--no-warm-start", action="store_true",
+                   help="learn the drafter's estimates and --budget auto's rates from scratch, not from what earlier "
+                        "runs with this model, drafter and sampling settings saved in exitspec's cache (nor save them)")
     return p
 
 

@@ -115,6 +115,10 @@ class TargetModel:
     Features are taps of the residual stream: feature layer i is transformers' hidden_states[i+1], the output
     of decoder layer i (for the last layer transformers returns it after the final norm), concatenated.
     `backend` is "lean" (LeanLlama), "transformers" or "auto" (lean where it supports the model).
+
+    How the weight products run is explicit state: `row_plan` (set by `budget.calibrate`, or copied from
+    another target by `sibling`). `forward_config()` names everything that decides a forward's speed, so
+    that a baseline and a speculative run can be checked to run the same way.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class TargetModel:
         tokenizer: PreTrainedTokenizerBase | None = None,
         feature_layers: tuple[int, ...] = (),
         backend: Literal["auto", "lean", "transformers"] = "auto",
+        row_plan: dict[int, tuple[int, bool]] | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -139,7 +144,24 @@ class TargetModel:
             raise ValueError(f"unknown target backend {backend!r}; choose auto, lean or transformers")
         lean = backend == "lean" or (backend == "auto" and supports(model) is None)
         self.backend = LeanLlama(model, self.feature_layers) if lean else TransformersForward(model, self.feature_layers)
+        self.row_plan: dict[int, tuple[int, bool]] = {}
+        self.use_row_plan(row_plan or {})
         self.reset()
+
+    def sibling(self, feature_layers: tuple[int, ...] = ()) -> TargetModel:
+        """Another target over the same weights, backend and row plan (its own KV cache), tapping other layers."""
+        backend = "lean" if isinstance(self.backend, LeanLlama) else "transformers"
+        return TargetModel(self.model, self.tokenizer, feature_layers, backend, self.row_plan)
+
+    def forward_config(self) -> dict:
+        """What decides how fast a forward runs: backend, device, dtype, threads and the row plan."""
+        return {
+            "backend": type(self.backend).__name__,
+            "device": str(self.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "row_plan": {str(rows): list(how) for rows, how in sorted(self.row_plan.items())},
+        }
 
     @property
     def vocab_size(self) -> int:
@@ -175,6 +197,7 @@ class TargetModel:
         backend has no such choice (transformers' forward), which then ignores the plan."""
         if isinstance(self.backend, LeanLlama):
             self.backend.use_row_plan(plan)
+            self.row_plan = dict(plan)
             return True
         return False
 

@@ -1,8 +1,11 @@
 """Tiny-model tests run on one thread: on 2 shared cores, multi-threaded tiny matmuls mostly wait on each other.
-Tests marked `slow` (the 135M default model) keep torch's default thread count."""
+Tests marked `slow` (the 135M default model) keep torch's default thread count. Every test decodes cold: its
+warm-start files (exitspec.warm) live in its own tmp_path, so no test sees what an earlier one learned."""
 
 import pytest
 import torch
+
+from exitspec import warm
 
 
 @pytest.fixture(autouse=True)
@@ -11,3 +14,8 @@ def _threads(request):
     torch.set_num_threads(before if request.node.get_closest_marker("slow") else 1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _cold_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm, "cache_dir", lambda: tmp_path)

@@ -13,6 +13,7 @@ import torch
 from tiny_models import save_tiny_llama
 
 from exitspec import data as datasets
+from exitspec.app import load_decoders
 from exitspec.bench.report import (
     drafter_table,
     drafter_table_markdown,
@@ -21,7 +22,7 @@ from exitspec.bench.report import (
     write_comparison,
 )
 from exitspec.bench.rows import BaselineRow, SpecRow
-from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, ResultsFile, speedup
+from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, Config, ResultsFile, Runner, speedup
 from exitspec.cli import main
 from exitspec.data import default_data_dir
 from exitspec.decode import STAGES, SpeculativeDecoder, encode_prompt
@@ -58,11 +59,14 @@ def test_result_rows_have_every_field(full_run):
     results = ResultsFile(full_run / "results.jsonl")
     assert len(results.envs) == 1 and results.envs[0].model_sha != "no-safetensors"
     assert results.envs[0].drafters == {"ngram": "ngram"} and results.envs[0].dtype == "float32"
+    forward = results.envs[0].forward  # one forward configuration for the session, its baselines and spec runs
+    assert forward["backend"] == "LeanLlama" and "row_plan" in forward
     baselines = [r for r in results.rows if r.kind == "baseline"]
     specs = [r for r in results.rows if r.kind == "spec"]
     assert len(baselines) == 3 * 2 and len(specs) == 3 * 2 * 2  # prompts x T {0, 1} (x verifiers)
     for b in baselines:
         assert set(asdict(b)) == {"kind", "version", *BASELINE_KEY, "prompt_tokens", "prompt_sha", "ar", "hf"}
+        assert b.ar.forward == forward
         assert b.dataset == "toy" and b.turn == 0 and b.max_new_tokens == MAX_NEW
         assert b.prompt_tokens == len(PROMPTS[int(b.prompt_id)])
         ar, hf = b.ar, b.hf
@@ -75,8 +79,8 @@ def test_result_rows_have_every_field(full_run):
         expected = {"kind", "version", *SPEC_KEY, "prompt_tokens", "prompt_sha", "tokens", "new_tokens", "rounds", "tau",
                     "mean_coverage", "tree_sizes", "accepted_lengths", "tokens_per_second", "prefill_seconds", "total_seconds",
                     "stage_seconds", "stopped_by", "sr_ar", "sr_hf", "ar_seconds", "ar_tokens", "hf_seconds",
-                    "hf_tokens", "matches_ar"}
-        assert set(asdict(r)) == expected
+                    "hf_tokens", "matches_ar", "forward"}
+        assert set(asdict(r)) == expected and r.forward == forward
         assert r.drafter == "ngram" and r.budget == 32 and r.verifier in ("predraw", "tev")
         base = results.get({**asdict(r), "kind": "baseline"})
         assert r.prompt_sha == base.prompt_sha and r.ar_tokens == base.ar.new_tokens
@@ -343,3 +347,16 @@ def test_rows_round_trip_and_old_files_load(tmp_path):
     if committed.is_file():  # a results file written before the version field existed
         results = ResultsFile(committed)
         assert results.envs and all(isinstance(r, (SpecRow, BaselineRow)) for r in results.rows)
+
+
+def test_a_spec_run_unlike_its_baseline_is_refused(setup, full_run, monkeypatch):
+    """SR compares like with like: a speculative run whose forward configuration (row plan included) differs
+    from its baseline row's fails instead of writing a row."""
+    results = ResultsFile(full_run / "results.jsonl")
+    base = next(r for r in results.rows if r.kind == "baseline" and r.temperature == 0)
+    root, _ = setup
+    runner = Runner(load_decoders(root / "model", ["ngram"], budgets=[32]))
+    runner.target.use_row_plan({2: (3, False)})  # the speculative target alone changes how it multiplies
+    gen = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+    with pytest.raises(ValueError, match="forward configuration"):
+        runner.speculative(Config("ngram", 32, "tev"), PROMPTS[int(base.prompt_id)], gen, base)

@@ -6,15 +6,17 @@ import itertools
 import json
 import math
 
+import psutil
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_llama
 
-from exitspec.budget import EXPLORE_EVERY, AutoBudget, CostModel, best_size
+from exitspec.budget import EXPLORE_EVERY, AutoBudget, CostModel, best_size, other_load
 from exitspec.build import build_trie, merge_best_first
 from exitspec.calibrate import Calibrator, model_bins, model_calibrator
+from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters import NgramDrafter
 from exitspec.options import budget_cap, parse_budget
 from exitspec.sampling import SamplingParams
@@ -61,16 +63,72 @@ def test_best_size_maximises_expected_tokens_per_second():
 
 def test_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("EXITSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(CostModel, "agrees_with", lambda self, target: True)  # the spot check has its own test
+    monkeypatch.setattr(CostModel, "trustworthy", lambda self: None)  # and so has the load check
     target = TargetModel(tiny_llama(32))
     first = CostModel.cached(target, 8)
     assert first.sizes == list(range(9)) and all(s > 0 for s in first.seconds)
-    assert target.cache_len == 0 and target.backend.row_plan == {}  # the measurement leaves the target as it was
+    assert target.cache_len == 0 and target.row_plan == {}  # the measurement leaves the target as it was
     assert len(first.panels) == len(first.sizes)  # each size measured with whole weights and in panels
+    assert {"measured_at", "other_load", "spread"} <= first.info.keys()  # when, and under what load
     (path,) = (tmp_path / "costs").iterdir()
     path.write_text(json.dumps({"sizes": [0, 8], "seconds": [1.0, 2.0], "panels": [False, True]}))
     again = CostModel.cached(target, 8)  # read back, not re-measured
     assert again.seconds == [1.0, 2.0] and again.row_plan() == {9: (9, True)}
     assert CostModel.cached(target, 4).sizes == [0, 1, 2, 3, 4]  # another cap is another entry
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="damaged cost grid"):
+        assert CostModel.cached(target, 8).sizes == list(range(9))  # measured again and replaced
+    assert json.loads(path.read_text())["sizes"] == list(range(9))
+
+
+def test_a_grid_measured_under_load_or_with_disagreeing_repeats_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXITSPEC_CACHE", str(tmp_path))
+    target = TargetModel(tiny_llama(32))
+    busy = CostModel([0, 1], [1.0, 1.1], info={"other_load": 0.6, "spread": 0.01})
+    noisy = CostModel([0, 1], [1.0, 1.1], info={"other_load": 0.0, "spread": 0.5})
+    assert "60%" in busy.trustworthy() and "disagreed" in noisy.trustworthy()
+    assert CostModel([0, 1], [1.0, 1.1], info={"other_load": 0.02, "spread": 0.03}).trustworthy() is None
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, target, max_size: busy))
+    with pytest.warns(UserWarning, match="not cached"):
+        assert CostModel.cached(target, 8) is busy  # used for this run ...
+    assert not (tmp_path / "costs").exists()  # ... never cached
+
+
+def test_other_load_sees_another_process(monkeypatch):
+    with other_load() as quiet:
+        sum(range(200_000))
+    assert 0.0 <= quiet["other"] <= 1.0
+    fake = iter([psutil.cpu_times(), psutil.cpu_times()._replace(user=psutil.cpu_times().user + 10.0)])
+    monkeypatch.setattr(psutil, "cpu_times", lambda: next(fake))  # 10 CPU-seconds of someone else's work
+    with other_load() as busy:
+        pass
+    assert busy["other"] == 1.0
+
+
+def test_a_poisoned_cost_cache_is_caught_and_measured_again(tmp_path, monkeypatch):
+    """A cost file with 3x inflated costs for N >= 2 (what a busy first run once cached) fails the spot check
+    and is replaced, so `auto` trees grow as with a clean cache: the mean N over 128 tokens reaches at least
+    80% of a clean-cache run's."""
+    monkeypatch.setenv("EXITSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(CostModel, "trustworthy", lambda self: None)  # cached even while other tests run
+    model = tiny_llama(48, max_position_embeddings=512)
+    text = [5, 6, 7, 8, 9, 10, 11, 12] * 12  # a prompt that repeats: prompt lookup drafts long chains
+
+    def mean_n() -> float:
+        decoder = SpeculativeDecoder(TargetModel(model), NgramDrafter())
+        result = decoder.generate(text, max_new_tokens=128, budget="auto:16", stop_tokens=())
+        return sum(result.summary()["tree_sizes"]) / len(result.rounds)
+
+    clean = mean_n()
+    (path,) = (tmp_path / "costs").iterdir()
+    grid = json.loads(path.read_text())
+    grid["seconds"] = [s * (3.0 if n >= 2 else 1.0) for n, s in zip(grid["sizes"], grid["seconds"])]
+    path.write_text(json.dumps(grid))
+    with pytest.warns(UserWarning, match="disagrees"):
+        poisoned = mean_n()
+    assert poisoned >= 0.8 * clean and clean > 2
+    assert json.loads(path.read_text())["seconds"] != grid["seconds"]  # replaced by a fresh measurement
 
 
 def test_auto_budget_tries_both_kinds_then_prefers_the_faster_and_keeps_exploring():

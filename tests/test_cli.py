@@ -28,6 +28,8 @@ def test_generate_json_and_stream_on_the_default_model(capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 12 and out["text"] and out["identical_to_autoregressive"]
     assert out["stats"]["tau"] >= 1 and out["speedup"] > 0 and out["settings"]["verifier"] == "tev"
+    forward = out["stats"]["forward"]  # the baseline ran exactly as the speculative rounds did
+    assert forward == out["autoregressive"]["forward"] and forward["backend"] == "LeanLlama"
     assert main(["generate", "Count from one to five.", "--max-new-tokens", "12", "--budget", "-1"]) == 2
     assert "budget must be >= 0" in capsys.readouterr().err
     assert main(["generate", "Count from one to five.", "--max-new-tokens", "12", "--temperature", "0.8"]) == 0

@@ -31,6 +31,15 @@ class RandomTreeDrafter:
     def calibrate_for(self, setting):
         pass
 
+    def identity(self):
+        return "random"
+
+    def calibration_state(self):
+        return {}
+
+    def load_calibration(self, state):
+        pass
+
     def begin(self, prompt_ids, features):
         pass
 

@@ -60,7 +60,8 @@ def run(args) -> int:
         temperatures, args.max_new_tokens, args.top_p, args.top_k, args.repeats, args.seed,
     )
     drafters = list(dict.fromkeys(c.drafter for c in plan.configs))
-    runner = Runner(load_decoders(args.model, drafters, args.device, args.dtype, args.threads, args.lookup))
+    runner = Runner(load_decoders(args.model, drafters, args.device, args.dtype, args.threads, args.lookup,
+                                  budgets=budgets, warm_start=not args.no_warm_start))
     results = ResultsFile(out / "results.jsonl")
     results.start_session(environment(args.model, runner, drafters, args.lookup))
     added = run_plan(plan, runner, results, args.limit, progress=not args.no_progress)

@@ -21,7 +21,6 @@ from rich.console import Console
 from rich.table import Table
 
 from exitspec.app import load_decoders
-from exitspec.budget import CostModel
 from exitspec.lean import supports
 from exitspec.target import TargetModel, synchronize
 from exitspec.tree import DraftTree
@@ -42,13 +41,12 @@ def bushy_tree(size: int, root: int, vocab: int, device) -> DraftTree:
 
 def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, context=300, repeats=7) -> dict:
     """Median seconds of forward_tree + commit per (backend, shape, N), alternating the backends."""
-    decoder = next(iter(load_decoders(model, ["ngram"], device, dtype, threads).values()))
+    decoder = next(iter(load_decoders(model, ["ngram"], device, dtype, threads, budgets=[max(sizes)]).values()))
     hf = decoder.target.model
     backends = [b for b in BACKENDS if b == "transformers" or supports(hf) is None]
     targets = {b: TargetModel(hf, decoder.target.tokenizer, backend=b.removesuffix("+plan")) for b in backends}
     if "lean+plan" in targets:
-        planned = targets["lean+plan"]
-        planned.use_row_plan(CostModel.measure(planned, max(sizes)).row_plan())
+        targets["lean+plan"] = decoder.target  # calibrated at load: the row plan every decoding run uses
     any_target = targets[backends[0]]
     context = max(1, min(context, any_target.max_context - max(sizes) - 2))
     ids = torch.arange(context, device=any_target.device) % any_target.vocab_size

@@ -4,8 +4,10 @@
     BaselineRow  one prompt's baselines: exitspec's autoregressive loop (ARRun) and transformers' generate (HFRun)
     SpecRow      one speculative run of one config on that prompt, with its SRs against the baseline row
 
-Version 2 (session 24) added `version` itself; rows written before it are version 1 and load with the
-defaults of the fields they lack (`tree_sizes`, which arrived with `--budget auto`). A row of a newer
+Version 2 added `version` itself; rows written before it are version 1 and load with the defaults of the
+fields they lack (`tree_sizes`, which arrived with `--budget auto`). Version 3 added `forward`, the target's
+forward configuration (TargetModel.forward_config) of each run and of the session; older rows have {};
+and `warm_start` to the env row. A row of a newer
 version than this code knows is refused, never half read.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-ROW_VERSION = 2
+ROW_VERSION = 3
 
 
 @dataclass(kw_only=True)
@@ -32,6 +34,8 @@ class EnvRow:
     model_sha: str
     drafters: dict[str, str]  # spec -> checkpoint hash (the spec itself for training-free drafters)
     lookup: str = "auto"  # the DFlash drafters' corpus-lookup table: --lookup as given
+    forward: dict = field(default_factory=dict)  # the baseline target's forward configuration, row plan included
+    warm_start: bool = False  # the decoders started from what earlier processes learned (exitspec.warm)
     kind: str = "env"
     version: int = ROW_VERSION
 
@@ -48,6 +52,7 @@ class ARRun:
     tokens_per_second: float
     stage_seconds: dict[str, float]
     stopped_by: str
+    forward: dict = field(default_factory=dict)  # TargetModel.forward_config() it ran with
 
 
 @dataclass(kw_only=True)
@@ -109,6 +114,7 @@ class SpecRow(PromptRow):
     hf_tokens: int
     matches_ar: bool  # the same tokens as the autoregressive loop (always, at temperature 0)
     tree_sizes: list[int] = field(default_factory=list)  # N per round (version 1 rows before --budget auto lack it)
+    forward: dict = field(default_factory=dict)  # TargetModel.forward_config() it ran with: the baseline's
     kind: str = "spec"
     version: int = ROW_VERSION
 

@@ -38,13 +38,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from exitspec.bench.rows import ARRun, BaselineRow, EnvRow, HFRun, Row, SpecRow, dump_row, load_row
 from exitspec.data import Sample
-from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens, encode_prompt, generate_autoregressive
+from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens, encode_prompt
 from exitspec.drafters import drafter_folder
 from exitspec.drafters.chain import CHAIN_PREFIX
 from exitspec.models import default_model_dir
 from exitspec.options import budget_cap, parse_budget
 from exitspec.sampling import SamplingParams
-from exitspec.target import TargetModel
 from exitspec.verify import check_verifier
 
 BASELINE_KEY = ("dataset", "prompt_id", "turn", "repeat", "seed", "temperature", "top_p", "top_k", "max_new_tokens")
@@ -242,9 +241,9 @@ class Runner:
 
     def __init__(self, decoders: dict[str, SpeculativeDecoder]):
         """decoders: app.load_decoders' result, one per drafter spec, sharing the target's weights."""
-        first = next(iter(decoders.values())).target
-        self.hf_model = first.model
-        self.target = TargetModel(first.model, first.tokenizer)  # the baseline loop taps no features
+        self.first = next(iter(decoders.values()))  # its `autoregressive` is the baseline
+        self.target = self.first.target
+        self.hf_model = self.target.model
         self.decoders = decoders
         self.stops = default_stop_tokens(self.target)
         self._warm: set = set()
@@ -259,7 +258,8 @@ class Runner:
         ar = self._ar(prompt_ids, gen)
         hf_tokens, hf_seconds = self._hf(prompt_ids, gen)
         summary = ar.summary()
-        kept = ("new_tokens", "total_seconds", "prefill_seconds", "tokens_per_second", "stage_seconds", "stopped_by")
+        kept = ("new_tokens", "total_seconds", "prefill_seconds", "tokens_per_second", "stage_seconds", "stopped_by",
+                "forward")
         return {
             "ar": ARRun(tokens=ar.tokens, text=ar.text, **{k: summary[k] for k in kept}),
             "hf": HFRun(tokens=hf_tokens, new_tokens=len(hf_tokens), total_seconds=hf_seconds,
@@ -272,6 +272,9 @@ class Runner:
         settings = dict(gen, budget=config.budget, verifier=config.verifier, stop_tokens=self.stops)
         self._warm_up(config, lambda g: decoder.generate(prompt_ids, **dict(settings, **g)), gen)
         result = decoder.generate(prompt_ids, **settings)
+        if baseline.ar.forward and result.forward_config != baseline.ar.forward:
+            raise ValueError(f"{config.drafter} ran forward configuration {result.forward_config}, its baseline row "
+                             f"{baseline.ar.forward}: SR would compare unlike runs; use another --out folder")
         stats = result.summary()
         del stats["coverage_per_round"]  # mean_coverage is what the report uses
         ar, hf = baseline.ar, baseline.hf
@@ -289,7 +292,7 @@ class Runner:
         }
 
     def _ar(self, prompt_ids, gen):
-        return generate_autoregressive(self.target, prompt_ids, stop_tokens=self.stops, **gen)
+        return self.first.autoregressive(prompt_ids, stop_tokens=self.stops, **gen)
 
     def _hf(self, prompt_ids, gen) -> tuple[list[int], float]:
         timer = StageTimer(self.target.device)
@@ -385,6 +388,8 @@ def environment(model: str | Path | None, runner: Runner, drafters: list[str], l
         model_sha=folder_sha(model_dir),
         drafters={spec: drafter_sha(spec) for spec in drafters},
         lookup=str(lookup),
+        forward=runner.target.forward_config(),
+        warm_start=runner.first.warm_start,
     )
 
 

@@ -277,7 +277,7 @@ def measure(
         mode = "synthetic"
     else:
         spec = drafter or ("oracle" if model else "dflash")
-        decoder = load_decoders(model, ["ngram" if spec == "oracle" else spec], device, dtype, threads)
+        decoder = load_decoders(model, ["ngram" if spec == "oracle" else spec], device, dtype, threads, budgets=())
         target, draft = next(iter(decoder.values())).target, next(iter(decoder.values())).drafter
         if spec != "oracle" and not isinstance(draft, DFlashDrafter):
             raise ValueError(f"drafter {spec!r} gives no marginals: use 'oracle', a shipped drafter or a checkpoint folder")

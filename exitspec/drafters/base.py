@@ -19,6 +19,9 @@ weighs against the cost of a bigger tree.
 states of the target layers named by `feature_layers` (outputs of those decoder layers, 0-based), one row
 per token that the target's KV cache holds; a drafter that reads none has `feature_layers = ()` and
 receives `None`.
+
+What the estimates learned outlives the process: warm.py saves `calibration_state()` after a run, under the
+drafter's `identity()`, and a later process's decoder hands it back through `load_calibration`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,18 @@ class Drafter(Protocol):
     def calibrate_for(self, setting: Hashable) -> None:
         """Estimates of P(u) for the sampling settings (SamplingParams) of the sequences to come: P(u) depends on
         them, so a drafter that learns its estimates keeps them per setting."""
+
+    def identity(self) -> str:
+        """What this drafter is, as one string: its kind and parameters, and for trained weights or a table a
+        digest of them. Warm-start files (warm.py) keep the learned state of each identity apart."""
+
+    def calibration_state(self) -> dict:
+        """What the estimates of P(u) learned under the current setting (calibrate_for), JSON-ready; {} for a
+        drafter that learns nothing."""
+
+    def load_calibration(self, state: dict) -> None:
+        """Restores a calibration_state() for the current setting; ValueError (and nothing changed) if it does
+        not fit this drafter."""
 
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
         """Starts a sequence. prompt_ids [L]; features [L-1, F] for prompt_ids[:-1] (the cached tokens)."""

@@ -39,6 +39,15 @@ class ChainDrafter:
     def calibrate_for(self, setting) -> None:
         self.inner.calibrate_for(setting)
 
+    def identity(self) -> str:
+        return CHAIN_PREFIX + self.inner.identity()
+
+    def calibration_state(self) -> dict:
+        return self.inner.calibration_state()
+
+    def load_calibration(self, state: dict) -> None:
+        self.inner.load_calibration(state)
+
     def begin(self, prompt_ids, features) -> None:
         self.inner.begin(prompt_ids, features)
 

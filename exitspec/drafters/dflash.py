@@ -19,6 +19,8 @@ forward and drafts from the lookup sources alone.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -115,6 +117,7 @@ class DFlashDrafter:
         self._pending: list[Tensor] = []  # committed features [n, F] not yet projected into the cache
         self.copy = NgramDrafter() if copy_source else None
         self.lookup = lookup
+        self._identity: str | None = None  # identity(), computed on first use
         self.reset_calibration()
 
     def reset_calibration(self) -> None:
@@ -143,6 +146,24 @@ class DFlashDrafter:
 
     def calibrate_for(self, setting: Hashable) -> None:
         self.merge.use(setting)
+
+    def identity(self) -> str:
+        """'dflash:' and a digest of the config and weights, then the lookup table's digest and '+copy' where those
+        sources draft too. Computed once: the weights are frozen at inference."""
+        if self._identity is None:
+            digest = hashlib.sha256(json.dumps(self.model.config.to_dict(), sort_keys=True).encode())
+            for name, tensor in self.model.state_dict().items():
+                digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+                digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            lookup = "" if self.lookup is None else f"+lookup:{self.lookup.digest()}"
+            self._identity = f"dflash:{digest.hexdigest()[:16]}{lookup}{'+copy' if self.copy else ''}"
+        return self._identity
+
+    def calibration_state(self) -> dict:
+        return self.merge.state(self.merge.setting)
+
+    def load_calibration(self, state: dict) -> None:
+        self.merge.load_state(self.merge.setting, state)
 
     @torch.no_grad()
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:

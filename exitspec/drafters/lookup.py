@@ -20,6 +20,7 @@ k, contexts [M_k, k] and next tokens [M_k, width] (int32, −1 pads) with their 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -51,6 +52,7 @@ class NgramTable:
     def __init__(self, entries: dict[tuple[int, ...], list[tuple[int, float]]], orders: int, vocab_size: int):
         self.entries = entries  # context (k tokens) -> [(token, q)], most frequent first
         self.orders, self.vocab_size = orders, vocab_size
+        self._digest: str | None = None  # digest(): of the file for a table read by `load`
 
     @classmethod
     def from_sequences(
@@ -81,6 +83,13 @@ class NgramTable:
             if found:
                 return found
         return []
+
+    def digest(self) -> str:
+        """16 hex digits of sha256 of the table: of its file for a table read by `load` (hashing the entries of
+        a large table takes a second), else of its entries."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(repr((self.orders, self.vocab_size, self.entries)).encode()).hexdigest()[:16]
+        return self._digest
 
     def propose(self, context: Sequence[int], max_depth: int) -> LookupProposal:
         return LookupProposal(tuple(context[-self.orders :]), max_depth)
@@ -146,4 +155,7 @@ class NgramTable:
                 raise ValueError(f"{path} holds next-token estimates outside (0, 1]")
             for context, ys, qs in zip(contexts.tolist(), tokens.tolist(), probs.tolist()):
                 entries[tuple(context)] = [(y, q) for y, q in zip(ys, qs) if y >= 0]
-        return cls(entries, orders, vocab_size)
+        table = cls(entries, orders, vocab_size)
+        with path.open("rb") as f:
+            table._digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+        return table

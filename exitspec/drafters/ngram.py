@@ -44,6 +44,15 @@ class NgramDrafter:
     def calibrate_for(self, setting: Hashable) -> None:
         self.merge.use(setting)
 
+    def identity(self) -> str:
+        return f"ngram(max_ngram={self.max_ngram}, min_ngram={self.min_ngram}, max_candidates={self.max_candidates})"
+
+    def calibration_state(self) -> dict:
+        return self.merge.state(self.merge.setting)
+
+    def load_calibration(self, state: dict) -> None:
+        self.merge.load_state(self.merge.setting, state)
+
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
         pass
 

@@ -20,7 +20,6 @@ A training folder may hold several rollout folders (say greedy/ and t1/, made wi
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -32,6 +31,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from exitspec.models import write_atomic
 from exitspec.train.generate import LOOP_SPANS, generate_responses
 
 META_NAME = "meta.json"
@@ -192,7 +192,7 @@ def make_rollouts(
         shard[index] = {"id": pid, "prompt_ids": ids, "response_ids": response[:cut], **loop}
         if len(shard) == min(shard_size, len(todo) - index // shard_size * shard_size):
             records = [shard[i] for i in sorted(shard)]
-            _write_atomic(folder / f"shard-{first_shard + index // shard_size:05d}.jsonl",
+            write_atomic(folder / f"shard-{first_shard + index // shard_size:05d}.jsonl",
                           "".join(json.dumps(r) + "\n" for r in records))
             del pending[index // shard_size]
         tokens += len(response)
@@ -251,13 +251,5 @@ def check_folder_meta(folder: Path, meta: dict, what: str, defaults: dict | None
             raise ValueError(f"{folder} holds {what} made with {old}, not {meta}; use another folder")
     else:
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, json.dumps(meta, indent=2) + "\n")
+        write_atomic(path, json.dumps(meta, indent=2) + "\n")
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -1,0 +1,112 @@
+"""Warm start: what a decoder learns while it decodes, kept from one process to the next.
+
+Two things learn online: the drafter's calibrators (calibrate.py: what a node's score is worth in reach
+probability P(u), per sampling setting) and `--budget auto`'s running rates (budget.AutoBudget: what a
+round of each kind realised, and when to try the worse kind again). A fresh process would start both from
+their priors, which are cautious, and keep small trees until it has seen a few dozen rounds. So after each
+run a decoder writes both to exitspec's cache, and its first run under the same settings in a later
+process starts from there:
+
+    warm/calibration-<hash>.json   per target model, drafter, device type, dtype and sampling settings
+    warm/auto-<hash>.json          the same, and the budget's cap
+
+A file is JSON, written atomically: {"version", "key", "state"}, where the key's fields, in the clear, are
+what its name hashes. A file that is damaged, of another version or made for another key is never trusted:
+it is ignored with one warning and replaced after the run. `--no-warm-start` (SpeculativeDecoder's
+`warm_start=False`) neither reads nor writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from exitspec.budget import AutoBudget
+from exitspec.drafters import Drafter
+from exitspec.models import cache_dir, write_atomic
+from exitspec.sampling import SamplingParams
+from exitspec.target import TargetModel
+
+VERSION = 1  # of the files' layout: a file of another version is replaced
+
+
+def key(kind: str, target: TargetModel, drafter: Drafter, params: SamplingParams, cap: int | None = None) -> dict:
+    """What a learned state of `kind` ("calibration" or "auto") belongs to: the target (sha256 of its full
+    config), the drafter's identity, the device type, the dtype, the sampling settings and, for `--budget
+    auto`'s rates, the cap."""
+    config = target.model.config.to_json_string(use_diff=False)
+    fields = {
+        "kind": kind,
+        "model": hashlib.sha256(config.encode()).hexdigest()[:16],
+        "drafter": drafter.identity(),
+        "device": target.device.type,
+        "dtype": str(target.model.dtype),
+        "temperature": float(params.temperature),
+        "top_k": int(params.top_k),
+        "top_p": float(params.top_p),
+    }
+    return fields if cap is None else fields | {"cap": cap}
+
+
+def path(key: dict) -> Path:
+    """The file of `key`: cache_dir()/warm/<kind>-<16 hex digits of sha256 of the key>.json."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "warm" / f"{key['kind']}-{digest}.json"
+
+
+def restore(key: dict, load: Callable[[dict], None]) -> None:
+    """Hands the state saved under `key` to `load` (which raises ValueError on a state that does not fit), if
+    there is one. A file that is damaged, of another version or made for another key: one warning, no state."""
+    file = path(key)
+    if not file.is_file():
+        return
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or data.get("version") != VERSION or "state" not in data:
+            raise ValueError(f"not a version-{VERSION} warm-start file")
+        if data.get("key") != key:
+            raise ValueError(f"made for {data.get('key')}, not {key}")
+        load(data["state"])
+    except (OSError, ValueError) as e:
+        warnings.warn(f"{file}: ignoring a warm-start file ({e}); starting cold, it is replaced after the run",
+                      stacklevel=2)
+
+
+def save(key: dict, state: dict) -> None:
+    """Writes `state` under `key`, atomically; an empty state (a drafter that learns nothing) writes nothing."""
+    if state:
+        file = path(key)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(file, json.dumps({"version": VERSION, "key": key, "state": state}) + "\n")
+
+
+class WarmStart:
+    """A decoder's learned state on disk. Each key's file is read once per process, before the first run under
+    it (later runs hold that state in memory already); every run writes its keys' files back."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter):
+        self.target, self.drafter = target, drafter
+        self.read: set[Path] = set()  # the files read (or found missing) in this process
+
+    def parts(self, params: SamplingParams, auto: AutoBudget | None) -> list[tuple[dict, Callable, Callable]]:
+        """(key, state getter, state loader) of the drafter's calibration and, under `--budget auto`, its rates."""
+        target, drafter = self.target, self.drafter
+        parts = [(key("calibration", target, drafter, params), drafter.calibration_state, drafter.load_calibration)]
+        if auto is not None:
+            parts.append((key("auto", target, drafter, params, auto.cap), auto.state, auto.restore))
+        return parts
+
+    def load(self, params: SamplingParams, auto: AutoBudget | None) -> None:
+        """Before a run: the saved state of each key not read yet in this process."""
+        for part_key, _, load in self.parts(params, auto):
+            if path(part_key) not in self.read:
+                self.read.add(path(part_key))
+                restore(part_key, load)
+
+    def save(self, params: SamplingParams, auto: AutoBudget | None) -> None:
+        """After a run: the state of each key, as it is now."""
+        for part_key, state, _ in self.parts(params, auto):
+            save(part_key, state())
