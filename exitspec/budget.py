@@ -15,10 +15,10 @@ thread count in exitspec's cache, so later runs skip it), and corrected online: 
 target-stage time updates a running ratio of measured to predicted seconds, which follows context length
 and machine load. The measured cost need not grow with N: a CPU BLAS picks its kernel by the number of
 rows, and on 2 cores MKL runs SmolLM2-135M's weight products on 4–16 rows far below its one-row speed
-(13 rows cost more than 17). So on a CPU each size is measured twice, with the weights whole and laid out
-in transposed 32-row panels (lean.Panels: a 9-row tree then costs 1.34× a step, not 1.99×), and a tree of
-N tokens runs its weight products the cheaper way, on the rows of the cheapest measured size at or above N
-(`row_plan`, handed to the lean forward); it costs what that size costs.
+(13 rows cost more than 17). So on a CPU each size is measured with the weights whole and in each layout of
+lean.LAYOUTS (transposed 32-row Panels, the cheapest at one row; oneDNN-Packed, the cheapest at a few rows),
+and a tree of N tokens runs its weight products the cheapest way, on the rows of the cheapest measured size
+at or above N (`row_plan`, handed to the lean forward); it costs what that size costs.
 
 Which source to draft from. A round that runs the drafter's model (DFlash's block forward) pays its cost
 before it knows its tree; a cheap round drafts from prompt lookup alone. Each kind keeps a running mean of
@@ -49,17 +49,17 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from exitspec.lean import Panels
+from exitspec.lean import Panels, layouts_for
 from exitspec.models import cache_dir, write_atomic
 from exitspec.target import synchronize
 from exitspec.tree import DraftTree
 
 DENSE = 32  # every tree size up to this is measured
 SPARSE = (48, 64, 96, 128, 192, 256)  # and these beyond it
-PLAN_GAIN = 0.05  # a tree runs another way (in panels, on more rows) only if it is measured this much cheaper
+PLAN_GAIN = 0.05  # a tree runs another way (another layout, more rows) only if it is measured this much cheaper
 EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 256
-MEASURE_VERSION = 6  # part of the cost cache's key: files from an older `measure` are measured again
+MEASURE_VERSION = 7  # part of the cost cache's key: files from an older `measure` are measured again
 MAX_OTHER_LOAD = 0.15  # a grid measured while other processes used more of the CPUs than this is not cached
 MAX_SPREAD = 0.2  # nor one whose repeats disagreed by more (second-fastest over fastest, median over sizes)
 SPOT_SIZES = (0, 2, 4, 8, 16)  # the sizes `agrees_with` re-times
@@ -74,13 +74,13 @@ class CostModel:
     seconds: list[float]
     ratio: float = 1.0  # running mean of measured / predicted seconds
     smoothing: float = 0.1
-    panels: list[bool] | None = None  # per size: measured cheaper with the weights in panels (None: never)
+    layouts: list[str] | None = None  # per size: the weight layout measured cheapest (None: "whole" throughout)
     info: dict = field(default_factory=dict)  # how it was measured: measured_at, other_load, spread
     padded: list[int] = field(init=False)  # padded[i]: the index of the size whose rows a tree of sizes[i] runs on
     effective: list[float] = field(init=False)  # effective[i]: the seconds of the size a tree of sizes[i] runs as
 
     def __post_init__(self):
-        self.panels = self.panels or [False] * len(self.sizes)
+        self.layouts = self.layouts or ["whole"] * len(self.sizes)
         self.padded = []
         for i, own in enumerate(self.seconds):
             j = min(range(i, len(self.sizes)), key=self.seconds.__getitem__)  # the cheapest size at or above
@@ -88,9 +88,9 @@ class CostModel:
         self.effective = [self.seconds[j] for j in self.padded]
 
     def row_plan(self) -> dict[int, tuple[int, bool]]:
-        """{rows of a tree: (rows its weight products run on, in panels)} wherever that is not (rows, whole)."""
-        plan = {self.sizes[i] + 1: (self.sizes[j] + 1, self.panels[j]) for i, j in enumerate(self.padded)}
-        return {rows: how for rows, how in plan.items() if how != (rows, False)}
+        """{rows of a tree: (rows its weight products run on, layout)} wherever that is not (rows, "whole")."""
+        plan = {self.sizes[i] + 1: (self.sizes[j] + 1, self.layouts[j]) for i, j in enumerate(self.padded)}
+        return {rows: how for rows, how in plan.items() if how != (rows, "whole")}
 
     def base(self, n: int) -> float:
         """The measured seconds at N (of the size it runs as), linear between sizes and along the last segment
@@ -110,7 +110,8 @@ class CostModel:
     @classmethod
     def measure(cls, target, max_size: int, context: int = 256, repeats: int = 3) -> CostModel:
         """Times forward + commit of chain trees of each size up to max_size (all up to DENSE, then SPARSE)
-        after `context` cached tokens, with the weights whole and in panels (on the lean forward).
+        after `context` cached tokens, with the weights whole and in each layout of lean.LAYOUTS (on the lean
+        forward; each layout's copy of the weights must fit in half the free memory beside the others).
 
         Chains have the largest depth for their size, so positions and mask are the dearest case. Per way, one
         pass over all sizes warms every shape up; then each size keeps the fastest of `repeats` runs, since other
@@ -119,12 +120,11 @@ class CostModel:
         The target's cache and row plan are left as they were.
         """
         sizes = sorted({*range(min(max_size, DENSE) + 1), *(n for n in SPARSE if n <= max_size), max_size})
-        # whole weights, then Panels: a CPU BLAS's way out of its few-row slowness (a GPU's is not slow there),
-        # where their copy of the weights takes at most half the free memory
         weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
-        panels_fit = target.device.type == "cpu" and 2 * weight_bytes < psutil.virtual_memory().available
+        free = psutil.virtual_memory().available
+        layouts = [layout for k, layout in enumerate(layouts_for(target.device)) if 2 * (k + 1) * weight_bytes < free]
         plan = target.row_plan
-        ways = (False, True) if target.use_row_plan({}) and panels_fit else (False,)
+        ways = ["whole", *layouts] if target.use_row_plan({}) else ["whole"]
         seconds, spreads = {}, []
         with other_load() as load:
             for way, runs in itertools.product(ways, (1, repeats)):  # per way: the warm-up pass, then the timed one
@@ -133,10 +133,11 @@ class CostModel:
                 seconds[way] = [min(t) for t in times]
                 spreads += [sorted(t)[1] / min(t) - 1 for t in times if len(t) > 1]
         target.use_row_plan(plan)
-        panels = [len(ways) > 1 and s < (1 - PLAN_GAIN) * w for w, s in zip(seconds[False], seconds[ways[-1]])]
+        best = [min(ways, key=lambda way: seconds[way][i]) for i in range(len(sizes))]
+        best = [way if seconds[way][i] < (1 - PLAN_GAIN) * seconds["whole"][i] else "whole" for i, way in enumerate(best)]
         info = {"measured_at": datetime.datetime.now().isoformat(timespec="seconds"), "other_load": round(load["other"], 3),
                 "spread": round(statistics.median(spreads), 3) if spreads else 0.0}
-        return cls(sizes, [seconds[p][i] for i, p in enumerate(panels)], panels=panels, info=info)
+        return cls(sizes, [seconds[way][i] for i, way in enumerate(best)], layouts=best, info=info)
 
     def trustworthy(self) -> str | None:
         """None when the grid may be cached; else why not (measured under load, or repeats that disagree)."""
@@ -172,7 +173,7 @@ class CostModel:
         if not refresh and path.is_file():
             try:
                 data = json.loads(path.read_text())
-                model = cls(data["sizes"], data["seconds"], panels=data["panels"], info=data.get("info", {}))
+                model = cls(data["sizes"], data["seconds"], layouts=data["layouts"], info=data.get("info", {}))
             except (ValueError, KeyError, TypeError) as e:
                 warnings.warn(f"{path}: a damaged cost grid ({e}); measuring again", stacklevel=2)
             else:
@@ -184,7 +185,7 @@ class CostModel:
         why = model.trustworthy()
         if why is None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps({"sizes": model.sizes, "seconds": model.seconds, "panels": model.panels,
+            write_atomic(path, json.dumps({"sizes": model.sizes, "seconds": model.seconds, "layouts": model.layouts,
                                            "info": model.info}))
         else:
             warnings.warn(f"the cost grid is used for this run but not cached: {why}", stacklevel=2)

@@ -207,7 +207,7 @@ def calibrate(args) -> int:
           + ("cached" if cost.trustworthy() is None else f"not cached: {cost.trustworthy()}"))
     print("N      " + " ".join(f"{n:>5}" for n in cost.sizes))
     print("× step " + " ".join(f"{s / step:5.2f}" for s in cost.effective))
-    print(f"row plan (rows: rows run on, in panels): {decoder.target.forward_config()['row_plan']}")
+    print(f"row plan (rows: rows run on, layout): {decoder.target.forward_config()['row_plan']}")
     return 0
 
 

@@ -127,7 +127,7 @@ class TargetModel:
         tokenizer: PreTrainedTokenizerBase | None = None,
         feature_layers: tuple[int, ...] = (),
         backend: Literal["auto", "lean", "transformers"] = "auto",
-        row_plan: dict[int, tuple[int, bool]] | None = None,
+        row_plan: dict[int, tuple[int, str]] | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -144,7 +144,7 @@ class TargetModel:
             raise ValueError(f"unknown target backend {backend!r}; choose auto, lean or transformers")
         lean = backend == "lean" or (backend == "auto" and supports(model) is None)
         self.backend = LeanLlama(model, self.feature_layers) if lean else TransformersForward(model, self.feature_layers)
-        self.row_plan: dict[int, tuple[int, bool]] = {}
+        self.row_plan: dict[int, tuple[int, str]] = {}
         self.use_row_plan(row_plan or {})
         self.reset()
 
@@ -191,8 +191,8 @@ class TargetModel:
         self._len = 0
         self._pending: DraftTree | None = None  # a tree whose K/V sit in the cache, awaiting commit
 
-    def use_row_plan(self, plan: dict[int, tuple[int, bool]]) -> bool:
-        """Runs the weight products of n rows as plan[n] = (rows, in panels) says, where it names n (the lean
+    def use_row_plan(self, plan: dict[int, tuple[int, str]]) -> bool:
+        """Runs the weight products of n rows as plan[n] = (rows, layout) says, where it names n (the lean
         backend's `LeanLlama.linear`). Logits and features are unchanged but for rounding. False where the
         backend has no such choice (transformers' forward), which then ignores the plan."""
         if isinstance(self.backend, LeanLlama):

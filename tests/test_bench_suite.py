@@ -356,7 +356,7 @@ def test_a_spec_run_unlike_its_baseline_is_refused(setup, full_run, monkeypatch)
     base = next(r for r in results.rows if r.kind == "baseline" and r.temperature == 0)
     root, _ = setup
     runner = Runner(load_decoders(root / "model", ["ngram"], budgets=[32]))
-    runner.target.use_row_plan({2: (3, False)})  # the speculative target alone changes how it multiplies
+    runner.target.use_row_plan({2: (3, "whole")})  # the speculative target alone changes how it multiplies
     gen = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
     with pytest.raises(ValueError, match="forward configuration"):
         runner.speculative(Config("ngram", 32, "tev"), PROMPTS[int(base.prompt_id)], gen, base)

@@ -45,9 +45,9 @@ def test_cost_model_interpolates_and_follows_measurements():
 def test_a_tree_runs_on_the_rows_of_a_cheaper_bigger_size():
     # 2 draft tokens measured dearer than 3 (a BLAS slow at that row count), 1 barely dearer than 3: only 2 pads
     cost = CostModel([0, 1, 2, 3, 4], [1.0, 1.5, 2.0, 1.52, 2.5])
-    assert cost.padded == [0, 1, 3, 3, 4] and cost.row_plan() == {3: (4, False)}  # rows = N + 1
-    panels = CostModel([0, 1, 2], [1.0, 2.0, 1.8], panels=[False, False, True])
-    assert panels.row_plan() == {2: (3, True), 3: (3, True)}  # 1 draft token runs as 2, in panels
+    assert cost.padded == [0, 1, 3, 3, 4] and cost.row_plan() == {3: (4, "whole")}  # rows = N + 1
+    panels = CostModel([0, 1, 2], [1.0, 2.0, 1.8], layouts=["whole", "whole", "panels"])
+    assert panels.row_plan() == {2: (3, "panels"), 3: (3, "panels")}  # 1 draft token runs as 2, in panels
     assert cost(2) == cost(3) == pytest.approx(1.52) and cost(1) == 1.5
 
 
@@ -69,12 +69,12 @@ def test_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch):
     first = CostModel.cached(target, 8)
     assert first.sizes == list(range(9)) and all(s > 0 for s in first.seconds)
     assert target.cache_len == 0 and target.row_plan == {}  # the measurement leaves the target as it was
-    assert len(first.panels) == len(first.sizes)  # each size measured with whole weights and in panels
+    assert len(first.layouts) == len(first.sizes) and set(first.layouts) <= {"whole", "panels", "packed"}
     assert {"measured_at", "other_load", "spread"} <= first.info.keys()  # when, and under what load
     (path,) = (tmp_path / "costs").iterdir()
-    path.write_text(json.dumps({"sizes": [0, 8], "seconds": [1.0, 2.0], "panels": [False, True]}))
+    path.write_text(json.dumps({"sizes": [0, 8], "seconds": [1.0, 2.0], "layouts": ["whole", "packed"]}))
     again = CostModel.cached(target, 8)  # read back, not re-measured
-    assert again.seconds == [1.0, 2.0] and again.row_plan() == {9: (9, True)}
+    assert again.seconds == [1.0, 2.0] and again.row_plan() == {9: (9, "packed")}
     assert CostModel.cached(target, 4).sizes == [0, 1, 2, 3, 4]  # another cap is another entry
     path.write_text("{not json")
     with pytest.warns(UserWarning, match="damaged cost grid"):

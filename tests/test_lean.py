@@ -63,16 +63,16 @@ def test_lean_matches_transformers(name, model):
                 torch.testing.assert_close(mine, theirs, atol=ATOL, rtol=ATOL)
 
 
-@pytest.mark.parametrize("panels", [False, True])
-def test_a_row_plan_changes_nothing_but_rounding(panels, monkeypatch):
-    """Weight products run on more rows (zeros appended), whole or in panels of a few output rows, give the
-    same logits, features and cache."""
+@pytest.mark.parametrize("layout", ["whole", "panels", "packed"])
+def test_a_row_plan_changes_nothing_but_rounding(layout, monkeypatch):
+    """Weight products run on more rows (zeros appended), whole, in panels of a few output rows or packed for
+    oneDNN, give the same logits, features and cache."""
     monkeypatch.setattr(lean, "PANEL_ROWS", 5)
     model = tiny_llama(V)
     rng = random.Random(1)
     prefix = torch.tensor([rng.randrange(V) for _ in range(5)])
     plain, planned = (TargetModel(model, feature_layers=(0,), backend="lean") for _ in range(2))
-    assert planned.use_row_plan({n: (n + 3 * (n % 2), panels) for n in range(1, 40)})
+    assert planned.use_row_plan({n: (n + 3 * (n % 2), layout) for n in range(1, 40)})
     for target in (plain, planned):
         target.prefill(prefix)
     for _ in range(3):
@@ -84,9 +84,20 @@ def test_a_row_plan_changes_nothing_but_rounding(panels, monkeypatch):
         for target in (plain, planned):
             target.commit(tree, path)
     torch.testing.assert_close(planned.kv(1)[0], plain.kv(1)[0], atol=ATOL, rtol=ATOL)
-    assert bool(planned.backend.panels) == panels  # the weights' panel copy exists while the plan uses it
+    assert set(planned.backend.layouts) == ({layout} - {"whole"})  # a layout's copy exists while the plan uses it
+    sibling = planned.sibling()  # same weights, same plan, same copy of the weights in that layout
+    assert sibling.row_plan == planned.row_plan and sibling.backend.layouts == planned.backend.layouts
+    assert all(a is b for a, b in zip(sibling.backend.layouts.values(), planned.backend.layouts.values()))
     planned.use_row_plan({})
-    assert planned.backend.panels == {}
+    assert planned.backend.layouts == {}
+
+
+def test_packed_weights_multiply_like_f_linear():
+    weight, bias = torch.randn(10, 6), torch.randn(10)
+    for rows in (1, 3, 7):
+        x = torch.randn(rows, 6)
+        torch.testing.assert_close(lean.Packed(weight)(x), F.linear(x, weight))
+        torch.testing.assert_close(lean.Packed(weight)(x, bias), F.linear(x, weight, bias))
 
 
 def test_panels_multiply_like_f_linear(monkeypatch):
