@@ -139,6 +139,15 @@ class CostModel:
                 "spread": round(statistics.median(spreads), 3) if spreads else 0.0}
         return cls(sizes, [seconds[way][i] for i, way in enumerate(best)], layouts=best, info=info)
 
+    def to_dict(self) -> dict:
+        """What a cache file or a benchmark's env row keeps of it (`from_dict` reads it back)."""
+        return {"sizes": self.sizes, "seconds": self.seconds, "layouts": self.layouts, "info": self.info}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        """The model of a `to_dict`; KeyError or TypeError where one is not."""
+        return cls(list(data["sizes"]), list(data["seconds"]), layouts=list(data["layouts"]), info=data.get("info", {}))
+
     def trustworthy(self) -> str | None:
         """None when the grid may be cached; else why not (measured under load, or repeats that disagree)."""
         if self.info.get("other_load", 0.0) > MAX_OTHER_LOAD:
@@ -173,7 +182,7 @@ class CostModel:
         if not refresh and path.is_file():
             try:
                 data = json.loads(path.read_text())
-                model = cls(data["sizes"], data["seconds"], layouts=data["layouts"], info=data.get("info", {}))
+                model = cls.from_dict(data)
             except (ValueError, KeyError, TypeError) as e:
                 warnings.warn(f"{path}: a damaged cost grid ({e}); measuring again", stacklevel=2)
             else:
@@ -185,8 +194,7 @@ class CostModel:
         why = model.trustworthy()
         if why is None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps({"sizes": model.sizes, "seconds": model.seconds, "layouts": model.layouts,
-                                           "info": model.info}))
+            write_atomic(path, json.dumps(model.to_dict()))
         else:
             warnings.warn(f"the cost grid is used for this run but not cached: {why}", stacklevel=2)
         return model

@@ -24,6 +24,7 @@ from exitspec.bench import report, verifier
 from exitspec.bench.presets import CUSTOM, PRESETS, VERIFIER_LATENCY
 from exitspec.bench.rows import SpecRow
 from exitspec.bench.runner import Plan, ResultsFile, Runner, configs, environment, run_plan
+from exitspec.budget import CostModel
 from exitspec.data import BUILTIN, load_dataset
 from exitspec.drafters import default_drafter
 from exitspec.options import budget_cap
@@ -63,6 +64,8 @@ def run(args) -> int:
     runner = Runner(load_decoders(args.model, drafters, args.device, args.dtype, args.threads, args.lookup,
                                   budgets=budgets, warm_start=not args.no_warm_start))
     results = ResultsFile(out / "results.jsonl")
+    if results.envs and results.envs[0].cost:
+        runner.adopt(CostModel.from_dict(results.envs[0].cost))
     results.start_session(environment(args.model, runner, drafters, args.lookup))
     added = run_plan(plan, runner, results, args.limit, progress=not args.no_progress)
     missing = sum(results.get(plan.key(step)) is None for step in plan.steps())

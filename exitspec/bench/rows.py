@@ -7,7 +7,7 @@
 Version 2 added `version` itself; rows written before it are version 1 and load with the defaults of the
 fields they lack (`tree_sizes`, which arrived with `--budget auto`). Version 3 added `forward`, the target's
 forward configuration (TargetModel.forward_config) of each run and of the session; older rows have {};
-and `warm_start` to the env row. A row of a newer
+and `warm_start` and `cost` to the env row. A row of a newer
 version than this code knows is refused, never half read.
 """
 
@@ -36,6 +36,7 @@ class EnvRow:
     lookup: str = "auto"  # the DFlash drafters' corpus-lookup table: --lookup as given
     forward: dict = field(default_factory=dict)  # the baseline target's forward configuration, row plan included
     warm_start: bool = False  # the decoders started from what earlier processes learned (exitspec.warm)
+    cost: dict = field(default_factory=dict)  # the cost grid it ran by (CostModel.to_dict), row plan and all
     kind: str = "env"
     version: int = ROW_VERSION
 

@@ -37,6 +37,7 @@ import transformers
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from exitspec.bench.rows import ARRun, BaselineRow, EnvRow, HFRun, Row, SpecRow, dump_row, load_row
+from exitspec.budget import CostModel
 from exitspec.data import Sample
 from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens, encode_prompt
 from exitspec.drafters import drafter_folder
@@ -248,6 +249,12 @@ class Runner:
         self.stops = default_stop_tokens(self.target)
         self._warm: set = set()
 
+    def adopt(self, cost: CostModel) -> None:
+        """Runs every decoder by `cost` (a grid measured before, on the same weights), row plan and all: a resumed
+        results file times its spec rows against its first session's baselines, so it runs as that session did."""
+        for decoder in self.decoders.values():
+            decoder.calibrate(cost.sizes[-1], cost=cost)
+
     def encode(self, prompt) -> list[int]:
         return encode_prompt(self.target.tokenizer, prompt)
 
@@ -390,6 +397,7 @@ def environment(model: str | Path | None, runner: Runner, drafters: list[str], l
         lookup=str(lookup),
         forward=runner.target.forward_config(),
         warm_start=runner.first.warm_start,
+        cost=runner.first.costs[max(runner.first.costs)].to_dict() if runner.first.costs else {},
     )
 
 
