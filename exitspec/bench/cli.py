@@ -21,6 +21,7 @@ from rich.console import Console
 
 from exitspec.app import check_budgets, load_decoders
 from exitspec.bench import report, verifier
+from exitspec.bench.peers import run_peers
 from exitspec.bench.presets import CUSTOM, PRESETS, VERIFIER_LATENCY
 from exitspec.bench.rows import SpecRow
 from exitspec.bench.runner import Plan, ResultsFile, Runner, configs, environment, run_plan
@@ -68,6 +69,8 @@ def run(args) -> int:
         runner.adopt(CostModel.from_dict(results.envs[0].cost))
     results.start_session(environment(args.model, runner, drafters, args.lookup))
     added = run_plan(plan, runner, results, args.limit, progress=not args.no_progress)
+    if args.peers:
+        added += run_peers(plan, runner, results, args.peers, args.vllm_python)
     missing = sum(results.get(plan.key(step)) is None for step in plan.steps())
     print(f"{added} rows measured into {results.path}" + (f"; {missing} left: rerun to resume" if missing else ""))
     if not any(isinstance(row, SpecRow) for row in results.rows):

