@@ -368,8 +368,8 @@ def test_peers_decode_the_baseline_prompts_and_join_the_report(setup, tmp_path, 
     root, model_args = setup
     fake = tmp_path / "python"
     fake.write_text("#!/usr/bin/env python3\nimport json, sys\nr = json.load(sys.stdin)\n"
-                    "json.dump({'vllm': 'stand-in', 'load_seconds': 0.0, 'runs': [{'tokens': p[:3], 'seconds': 0.5}"
-                    " for p in r['prompts']]}, sys.stdout)\n")
+                    "print('a log line'); print('exitspec-vllm-result: ' + json.dumps({'vllm': 'stand-in', "
+                    "'load_seconds': 0.0, 'runs': [{'tokens': p[:3], 'seconds': 0.5} for p in r['prompts']]}))\n")
     fake.chmod(0o755)
     args = ["bench", *model_args, *ARGS, "--temperatures", "0", "--verifiers", "tev", "--out", str(tmp_path / "out")]
     assert main([*args, "--peers", "vllm-fp32"]) == 2

@@ -29,6 +29,7 @@ import transformers
 from exitspec.bench.presets import PEERS
 from exitspec.bench.rows import PeerRow
 from exitspec.bench.runner import Plan, ResultsFile, Runner, baseline_prompts, hf_generate
+from exitspec.bench.vllm_worker import RESULT_PREFIX
 
 VLLM = {
     "vllm-fp32": {"dtype": "float32", "speculative": None},
@@ -87,8 +88,9 @@ def _vllm(peer: str, batch, runner: Runner, plan: Plan, python: str) -> tuple[li
                "stop": sorted(runner.stops)}
     done = subprocess.run([python, str(WORKER)], input=json.dumps(request), capture_output=True, text=True,
                           check=False)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"{peer}: the vLLM worker under {python} failed: {last}")
-    out = json.loads(done.stdout)
+    results = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if done.returncode != 0 or not results:
+        errors = [line for line in done.stderr.splitlines() if "Error" in line] or done.stderr.splitlines() or ["-"]
+        raise RuntimeError(f"{peer}: the vLLM worker under {python} failed: {errors[0].strip()}")
+    out = json.loads(results[-1].removeprefix(RESULT_PREFIX))
     return [(run["tokens"], run["seconds"]) for run in out["runs"]], f"vllm {out['vllm']}"

@@ -4,7 +4,8 @@ result on stdout. It imports nothing of exitspec (vLLM's CPU build lives in its 
 
     request  {"model": DIR, "dtype": "float32", "speculative": null | {"method": "ngram", ...},
               "prompts": [[ids...], ...], "max_new_tokens": 128, "temperature": 0.0, "seed": 0, "stop": [ids]}
-    result   {"runs": [{"tokens": [...], "seconds": s}, ...], "vllm": version, "load_seconds": s}
+    result   RESULT_PREFIX + {"runs": [{"tokens": [...], "seconds": s}, ...], "vllm": version, "load_seconds": s}
+             on the last line (vLLM logs to stdout too)
 
 One request at a time, as a user decoding one chat would: each prompt is timed alone, after one untimed
 warm-up request, from the prompt's token ids to its last new token.
@@ -13,6 +14,8 @@ warm-up request, from the prompt's token ids to its last new token.
 import json
 import sys
 import time
+
+RESULT_PREFIX = "exitspec-vllm-result: "
 
 
 def main() -> None:
@@ -23,6 +26,7 @@ def main() -> None:
     llm = vllm.LLM(
         model=request["model"], dtype=request["dtype"], seed=request["seed"], max_model_len=2048,
         speculative_config=request.get("speculative"), enable_prefix_caching=False,
+        gpu_memory_utilization=request.get("memory_fraction", 0.3),  # on CPU: the share of RAM it may take
     )
     load_seconds = time.perf_counter() - start
     params = vllm.SamplingParams(
@@ -36,7 +40,7 @@ def main() -> None:
         start = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         runs.append({"tokens": list(out.token_ids), "seconds": time.perf_counter() - start})
-    json.dump({"runs": runs, "vllm": vllm.__version__, "load_seconds": load_seconds}, sys.stdout)
+    print(RESULT_PREFIX + json.dumps({"runs": runs, "vllm": vllm.__version__, "load_seconds": load_seconds}), flush=True)
 
 
 if __name__ == "__main__":
