@@ -179,6 +179,7 @@ def generate(args) -> int:
             out["speedup"] = statistics.median(speedups)
             out["speedups"] = speedups
             out["identical_to_autoregressive"] = baseline.tokens == result.tokens
+            out["first_difference"] = first_difference(baseline.tokens, result.tokens)
         print(json.dumps(out))
         return 0
     mean_n = sum(r.tree_size for r in result.rounds) / max(len(result.rounds), 1)
@@ -186,12 +187,22 @@ def generate(args) -> int:
         f"\n\n[τ {result.tau:.2f} · {result.tokens_per_second:.1f} tok/s · {len(result.tokens)} tokens in "
         f"{len(result.rounds)} rounds · mean C_p {result.mean_coverage:.2f} · {args.verifier}, B={args.budget} (mean N {mean_n:.1f})"
     )
+    if baseline and first_difference(baseline.tokens, result.tokens) is not None:
+        line += f" · differs from autoregressive output from token {first_difference(baseline.tokens, result.tokens)}"
     if baseline:
         line += (f" · speedup {statistics.median(speedups):.2f}× over autoregressive (median of {len(speedups)} "
                  f"alternated pairs, range {min(speedups):.2f}–{max(speedups):.2f}; "
                  f"{baseline.tokens_per_second:.1f} tok/s)")
     print(line + "]", file=sys.stderr)
     return 0
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one's length if one extends the other), None
+    where they are equal: at T = 0 in fp32 always None; in bf16 where batch-shape rounding first flips a token."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def calibrate(args) -> int:
@@ -265,10 +276,11 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 def _add_latency(p: argparse.ArgumentParser) -> None:
     """`exitspec latency`'s own options; the model and common options come from app's shared groups."""
-    p.add_argument("--stage", choices=("verify", "forward"), default="verify",
+    p.add_argument("--stage", choices=("verify", "forward", "profile"), default="verify",
                    help="verify: the verifier decision and stage, predraw vs TEV (table 3); forward: the target's "
                         "tree forward + commit against N: transformers' forward, the lean one, and the lean one with `auto`'s row plan "
-                        "(bench/forward.py)")
+                        "(bench/forward.py); profile: where one tree forward's time goes (products, LM head, "
+                        "attention, the rest)")
     p.add_argument("--sizes", type=integer(0, MAX_BUDGET), nargs="+", default=[0, 1, 2, 4, 8, 16, 32, 64],
                    help="--stage forward: tree sizes N (0: the root alone, one decoding step)")
     p.add_argument("--context", type=integer(1), default=300, help="--stage forward: cached tokens before the tree")

@@ -53,3 +53,20 @@ def test_forward_stage_json(tmp_path):
     assert result["rows"][0]["lean"]["steps"] == 1.0
     tree = bushy_tree(6, 1, 32, "cpu")
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 2] and tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 2]
+
+
+def test_profile_stage_splits_a_forward(tmp_path):
+    """--stage profile on a tiny Llama: per N, the total and its parts (products, LM head, attention, the rest)."""
+    from tiny_models import save_tiny_llama
+
+    save_tiny_llama(tmp_path / "model")
+    out = tmp_path / "profile.json"
+    argv = ["--stage", "profile", "--model", str(tmp_path / "model"), "--sizes", "0", "4", "--context", "20",
+            "--repeats", "2", "--device", "cpu", "--json", str(out)]
+    assert main(["latency", *argv]) == 0
+    result = json.loads(out.read_text())
+    assert [r["n"] for r in result["rows"]] == [0, 4] and "row_plan" in result
+    for row in result["rows"]:
+        parts = row["products_ms"] + row["lm_head_ms"] + row["attention_ms"] + row["other_ms"]
+        assert row["total_ms"] > 0 and row["attention_ms"] > 0 and row["lm_head_ms"] > 0
+        assert parts == pytest.approx(row["total_ms"])

@@ -1,6 +1,7 @@
 """The target stage's cost against tree size N, per backend: what a round pays for verifying N draft tokens.
 
     exitspec latency --stage forward [--sizes 0 1 2 4 8 16 32 64] [--context 300] [--repeats 7]
+    exitspec latency --stage profile [--sizes 0 4 8 16]          # where one forward's time goes (`profile`)
 
 For each N, a chain of N draft tokens (the deepest tree, as a peaked drafter's DDTree tends to be) and a
 balanced binary tree of N nodes (`bushy_tree`, as a flat drafter's is) go through `forward_tree` + `commit`
@@ -21,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from exitspec.app import load_decoders
+from exitspec.budget import fastest
 from exitspec.lean import supports
 from exitspec.target import TargetModel, synchronize
 from exitspec.tree import DraftTree
@@ -96,4 +98,64 @@ def print_table(result: dict, console: Console) -> None:
             continue  # the root alone is the same in both shapes
         table.add_row(str(row["n"]), row["shape"] if row["n"] else "root", *(
             x for b in backends for x in (f"{row[b]['ms']:.1f}", f"{row[b]['steps']:.2f}")))
+    console.print(table)
+
+
+PRODUCTS = ("mkldnn::_linear_pointwise", "aten::bmm", "aten::mm", "aten::addmm")  # the weight products' kernels
+ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+             "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention")
+
+
+def profile(model=None, device=None, dtype="auto", threads=None, sizes=(0, 4, 8, 16), context=300, repeats=5) -> dict:
+    """Where a tree forward + commit of N nodes spends its time, on the lean forward with the row plan every
+    decoding run uses: the weight products (the LM head's over N + 1 rows timed apart), attention over the
+    cache, and everything else (norms, RoPE, cache writes, Python and dispatch). Chains after `context` cached
+    tokens; per size the mean of `repeats` profiled runs after a warm-up, in ms."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    decoder = next(iter(load_decoders(model, ["ngram"], device, dtype, threads, budgets=[max(sizes)]).values()))
+    target = decoder.target
+    context = max(1, min(context, target.max_context - max(sizes) - 2))
+    target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
+    head = target.model.get_output_embeddings().weight
+    rows = []
+    for n in sizes:
+        tree = DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=target.device)
+
+        def verify_nothing(tree: DraftTree = tree) -> None:
+            target.forward_tree(tree)
+            target.commit(tree, [])
+            target.truncate(context)
+
+        verify_nothing()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(repeats):
+                verify_nothing()
+            total = (time.perf_counter() - start) / repeats
+        ops = {e.key: e.self_cpu_time_total / 1e6 / repeats for e in prof.key_averages()}
+        products = sum(ops.get(k, 0.0) for k in PRODUCTS)
+        attention = sum(ops.get(k, 0.0) for k in ATTENTION)
+        x = torch.zeros(n + 1, head.shape[1], dtype=head.dtype, device=target.device)
+        lm_head = fastest(lambda x=x: target.backend.linear(x, head), repeats + 1, target.device) \
+            if hasattr(target.backend, "linear") else 0.0
+        rows.append({"n": n, "total_ms": 1000 * total, "products_ms": 1000 * (products - lm_head),
+                     "lm_head_ms": 1000 * lm_head, "attention_ms": 1000 * attention,
+                     "other_ms": 1000 * (total - products - attention)})
+    return {"device": str(target.device), "dtype": str(target.model.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "context": context, "row_plan": target.forward_config()["row_plan"],
+            "rows": rows}
+
+
+def print_profile(result: dict, console: Console) -> None:
+    table = Table(title=f"Where a tree forward's time goes: lean forward with the row plan, {result['context']}-token "
+                        f"cache, {result['dtype']}, {result['threads']} threads, {result['device']} (ms)")
+    for column in ("N", "total", "weight products", "LM head", "attention", "other", "total × step"):
+        table.add_column(column, justify="right")
+    step = result["rows"][0]["total_ms"] if result["rows"][0]["n"] == 0 else None
+    for r in result["rows"]:
+        table.add_row(str(r["n"]), *(f"{r[k]:.1f}" for k in ("total_ms", "products_ms", "lm_head_ms", "attention_ms",
+                                                              "other_ms")),
+                      f"{r['total_ms'] / step:.2f}" if step else "-")
     console.print(table)

@@ -245,7 +245,11 @@ def print_tables(result: dict, console: Console) -> None:
 
 def run(args) -> int:
     """`exitspec latency`: measures, prints the tables and with --json writes the results."""
-    if args.stage == "forward":
+    if args.stage == "profile":
+        result = forward.profile(args.model, args.device, args.dtype, args.threads, args.sizes, args.context,
+                                 args.repeats)
+        forward.print_profile(result, Console())
+    elif args.stage == "forward":
         result = forward.measure(args.model, args.device, args.dtype, args.threads, args.sizes, args.context,
                                  args.repeats)
         forward.print_table(result, Console())
