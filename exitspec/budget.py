@@ -221,20 +221,30 @@ def calibrate(target, max_size: int = DENSE, refresh: bool = False, cost: CostMo
 def time_chains(target, sizes: list[int], repeats: int, context: int) -> list[list[float]]:
     """Seconds of forward_tree + commit of a chain tree of each size after `context` cached tokens, `repeats`
     times each ([len(sizes)][repeats]); the target's cache is empty afterwards."""
-    context = max(1, min(context, target.max_context - max(sizes) - 2))
     target.reset()
+    runs = chain_runs(target, sizes, context)
+    times = [timings(run, repeats, target.device) for run in runs]
+    target.reset()
+    return times
+
+
+def chain_runs(target, sizes: list[int], context: int) -> list:
+    """Prefills `context` tokens (fewer where the largest chain would not fit) and returns, per size N, a call
+    that verifies a chain of N draft tokens and accepts none: forward_tree + commit, then the cache back to
+    `context`."""
+    context = max(1, min(context, target.max_context - max(sizes) - 2))
     target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
-    times = []
+    runs = []
     for n in sizes:
         tree = DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=target.device)
 
         def verify_nothing(tree: DraftTree = tree) -> None:
             target.forward_tree(tree)
             target.commit(tree, [])
+            target.truncate(context)
 
-        times.append(timings(verify_nothing, repeats, target.device, lambda: target.truncate(context)))
-    target.reset()
-    return times
+        runs.append(verify_nothing)
+    return runs
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from exitspec.app import load_decoders
-from exitspec.budget import fastest
+from exitspec.budget import chain_runs, fastest
 from exitspec.lean import supports
 from exitspec.target import TargetModel, synchronize
 from exitspec.tree import DraftTree
@@ -116,18 +116,9 @@ def profile(model=None, device=None, dtype="auto", threads=None, sizes=(0, 4, 8,
 
     decoder = next(iter(load_decoders(model, ["ngram"], device, dtype, threads, budgets=[max(sizes)]).values()))
     target = decoder.target
-    context = max(1, min(context, target.max_context - max(sizes) - 2))
-    target.prefill(torch.arange(context, device=target.device) % target.vocab_size)
     head = target.model.get_output_embeddings().weight
     rows = []
-    for n in sizes:
-        tree = DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=target.device)
-
-        def verify_nothing(tree: DraftTree = tree) -> None:
-            target.forward_tree(tree)
-            target.commit(tree, [])
-            target.truncate(context)
-
+    for n, verify_nothing in zip(sizes, chain_runs(target, list(sizes), context)):
         verify_nothing()
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
@@ -144,7 +135,7 @@ def profile(model=None, device=None, dtype="auto", threads=None, sizes=(0, 4, 8,
                      "lm_head_ms": 1000 * lm_head, "attention_ms": 1000 * attention,
                      "other_ms": 1000 * (total - products - attention)})
     return {"device": str(target.device), "dtype": str(target.model.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), "context": context, "row_plan": target.forward_config()["row_plan"],
+            "threads": torch.get_num_threads(), "context": target.cache_len, "row_plan": target.forward_config()["row_plan"],
             "rows": rows}
 
 

@@ -187,34 +187,38 @@ def drafter_table_markdown(table: dict) -> list[str]:
 
 def peer_table(rows: list) -> dict | None:
     """Tokens per second (pooled: all tokens over all seconds) per dataset and temperature of exitspec's
-    autoregressive loop, each speculative config, transformers' generate and each peer (bench/peers.py), all on
-    the same prompts; None without peer rows. `ratio`: the best exitspec config over the fastest other way."""
-    if not any(isinstance(r, PeerRow) for r in rows):
+    autoregressive loop, each speculative config, transformers' generate and each peer (bench/peers.py), on the
+    prompts that the peers ran (the same prompts and turns for every column); None without peer rows.
+    `ratio`: the best exitspec config over the fastest other way."""
+    prompt = lambda r: (r.dataset, r.temperature, r.prompt_id, r.turn, r.repeat)
+    peered = {prompt(r) for r in rows if isinstance(r, PeerRow)}
+    if not peered:
         return None
     pooled: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
+    runs = {BaselineRow: lambda r: [("exitspec AR", r.ar.new_tokens, r.ar.total_seconds),
+                                    ("transformers", r.hf.new_tokens, r.hf.total_seconds)],
+            SpecRow: lambda r: [(f"exitspec {r.drafter} {r.budget} {r.verifier}", r.new_tokens, r.total_seconds)],
+            PeerRow: lambda r: [(r.peer, r.new_tokens, r.total_seconds)]}
     for r in rows:
-        cell = pooled[r.dataset, r.temperature]
-        runs = {BaselineRow: lambda r: [("exitspec AR", r.ar.new_tokens, r.ar.total_seconds),
-                                        ("transformers", r.hf.new_tokens, r.hf.total_seconds)],
-                SpecRow: lambda r: [(f"exitspec {r.drafter} {r.budget} {r.verifier}", r.new_tokens, r.total_seconds)],
-                PeerRow: lambda r: [(r.peer, r.new_tokens, r.total_seconds)]}.get(type(r), lambda r: [])
-        for name, tokens, seconds in runs(r):
-            cell[name][0] += tokens
-            cell[name][1] += seconds
+        if type(r) in runs and prompt(r) in peered:
+            for name, tokens, seconds in runs[type(r)](r):
+                pooled[r.dataset, r.temperature][name][0] += tokens
+                pooled[r.dataset, r.temperature][name][1] += seconds
     columns = list(dict.fromkeys(name for cell in pooled.values() for name in cell))
     body = []
     for (dataset, temperature), cell in sorted(pooled.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         rates = {name: _rate(*cell[name]) for name in columns if name in cell}
         spec = max((v for k, v in rates.items() if k.startswith("exitspec ") and k != "exitspec AR"), default=None)
         other = max((v for k, v in rates.items() if not k.startswith("exitspec ")), default=None)
-        body.append({"dataset": dataset, "temperature": temperature, "tokens_per_second": rates,
+        body.append({"dataset": dataset, "temperature": temperature, "runs": len({p for p in peered
+                     if p[:2] == (dataset, temperature)}), "tokens_per_second": rates,
                      "ratio": spec / other if spec and other else None})
     return {"columns": columns, "rows": body}
 
 
 def peer_table_markdown(table: dict) -> list[str]:
-    header = ["dataset", "T", *table["columns"], "best exitspec / fastest other"]
-    body = [[r["dataset"], f"{r['temperature']:g}", *(_num(r["tokens_per_second"].get(c), digits=1) for c in table["columns"]),
+    header = ["dataset", "T", "runs", *table["columns"], "best exitspec / fastest other"]
+    body = [[r["dataset"], f"{r['temperature']:g}", str(r["runs"]), *(_num(r["tokens_per_second"].get(c), digits=1) for c in table["columns"]),
              _num(r["ratio"], "×")] for r in table["rows"]]
     return _markdown_table(header, body)
 
