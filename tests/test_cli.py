@@ -184,3 +184,14 @@ def test_config_files_give_options_and_the_command_line_wins(tmp_path, capsys):
         assert main(["train", "dflash", *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+
+
+def test_calibrate_measures_again_and_prints_the_grid(tmp_path, monkeypatch, capsys):
+    from tiny_models import save_tiny_llama
+
+    monkeypatch.setenv("EXITSPEC_CACHE", str(tmp_path / "cache"))
+    save_tiny_llama(tmp_path / "model")
+    assert main(["calibrate", "--model", str(tmp_path / "model"), "--budget", "auto:8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "one step:" in out and "other processes used" in out and "row plan" in out
+    assert out.splitlines()[1].split()[1:] == [str(n) for n in range(9)]  # N = 0..8 measured
