@@ -365,7 +365,7 @@ def test_a_spec_run_unlike_its_baseline_is_refused(setup, full_run, monkeypatch)
 def test_peers_decode_the_baseline_prompts_and_join_the_report(setup, tmp_path, capsys):
     """transformers' prompt lookup runs in process; a vLLM peer runs through its worker protocol (here a stand-in
     python that answers like vllm_worker.py); both land as peer rows and in the report's peer table."""
-    root, model_args = setup
+    _, model_args = setup
     fake = tmp_path / "python"
     fake.write_text("#!/usr/bin/env python3\nimport json, sys\nr = json.load(sys.stdin)\n"
                     "print('a log line'); print('exitspec-vllm-result: ' + json.dumps({'vllm': 'stand-in', "
