@@ -87,7 +87,7 @@ class CostModel:
             self.padded.append(j if self.seconds[j] < (1 - PLAN_GAIN) * own else i)
         self.effective = [self.seconds[j] for j in self.padded]
 
-    def row_plan(self) -> dict[int, tuple[int, bool]]:
+    def row_plan(self) -> dict[int, tuple[int, str]]:
         """{rows of a tree: (rows its weight products run on, layout)} wherever that is not (rows, "whole")."""
         plan = {self.sizes[i] + 1: (self.sizes[j] + 1, self.layouts[j]) for i, j in enumerate(self.padded)}
         return {rows: how for rows, how in plan.items() if how != (rows, "whole")}
@@ -211,8 +211,8 @@ def cost_path(target, max_size: int) -> Path:
 
 def calibrate(target, max_size: int = DENSE, refresh: bool = False, cost: CostModel | None = None) -> CostModel:
     """The target's cost grid (`CostModel.cached`, or `cost`: one already measured on the same weights), and its
-    row plan installed on the target: the one place a row plan is set. Every later forward of this target, and
-    of its `sibling`s, runs by that plan."""
+    row plan installed on the target: the one place a row plan is set. Every later forward of this target runs
+    by that plan."""
     cost = cost or CostModel.cached(target, max_size, refresh)
     target.use_row_plan(cost.row_plan())
     return cost

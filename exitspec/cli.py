@@ -187,8 +187,9 @@ def generate(args) -> int:
         f"\n\n[τ {result.tau:.2f} · {result.tokens_per_second:.1f} tok/s · {len(result.tokens)} tokens in "
         f"{len(result.rounds)} rounds · mean C_p {result.mean_coverage:.2f} · {args.verifier}, B={args.budget} (mean N {mean_n:.1f})"
     )
-    if baseline and first_difference(baseline.tokens, result.tokens) is not None:
-        line += f" · differs from autoregressive output from token {first_difference(baseline.tokens, result.tokens)}"
+    differs = first_difference(baseline.tokens, result.tokens) if baseline else None
+    if differs is not None:
+        line += f" · differs from autoregressive output from token {differs}"
     if baseline:
         line += (f" · speedup {statistics.median(speedups):.2f}× over autoregressive (median of {len(speedups)} "
                  f"alternated pairs, range {min(speedups):.2f}–{max(speedups):.2f}; "

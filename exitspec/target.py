@@ -116,9 +116,9 @@ class TargetModel:
     of decoder layer i (for the last layer transformers returns it after the final norm), concatenated.
     `backend` is "lean" (LeanLlama), "transformers" or "auto" (lean where it supports the model).
 
-    How the weight products run is explicit state: `row_plan` (set by `budget.calibrate`, or copied from
-    another target by `sibling`). `forward_config()` names everything that decides a forward's speed, so
-    that a baseline and a speculative run can be checked to run the same way.
+    How the weight products run is explicit state: `row_plan` (set by `budget.calibrate`). `forward_config()`
+    names everything that decides a forward's speed, so that a baseline and a speculative run can be checked to
+    run the same way.
     """
 
     def __init__(
@@ -127,7 +127,6 @@ class TargetModel:
         tokenizer: PreTrainedTokenizerBase | None = None,
         feature_layers: tuple[int, ...] = (),
         backend: Literal["auto", "lean", "transformers"] = "auto",
-        row_plan: dict[int, tuple[int, str]] | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -144,14 +143,12 @@ class TargetModel:
             raise ValueError(f"unknown target backend {backend!r}; choose auto, lean or transformers")
         lean = backend == "lean" or (backend == "auto" and supports(model) is None)
         self.backend = LeanLlama(model, self.feature_layers) if lean else TransformersForward(model, self.feature_layers)
-        self.row_plan: dict[int, tuple[int, str]] = {}
-        self.use_row_plan(row_plan or {})
         self.reset()
 
-    def sibling(self, feature_layers: tuple[int, ...] = ()) -> TargetModel:
-        """Another target over the same weights, backend and row plan (its own KV cache), tapping other layers."""
-        backend = "lean" if isinstance(self.backend, LeanLlama) else "transformers"
-        return TargetModel(self.model, self.tokenizer, feature_layers, backend, self.row_plan)
+    @property
+    def row_plan(self) -> dict[int, tuple[int, str]]:
+        """{rows: (rows run on, layout)} of the lean backend's weight products (`use_row_plan`); {} elsewhere."""
+        return dict(self.backend.row_plan) if isinstance(self.backend, LeanLlama) else {}
 
     def forward_config(self) -> dict:
         """What decides how fast a forward runs: backend, device, dtype, threads and the row plan."""
@@ -197,7 +194,6 @@ class TargetModel:
         backend has no such choice (transformers' forward), which then ignores the plan."""
         if isinstance(self.backend, LeanLlama):
             self.backend.use_row_plan(plan)
-            self.row_plan = dict(plan)
             return True
         return False
 

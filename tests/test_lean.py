@@ -85,9 +85,10 @@ def test_a_row_plan_changes_nothing_but_rounding(layout, monkeypatch):
             target.commit(tree, path)
     torch.testing.assert_close(planned.kv(1)[0], plain.kv(1)[0], atol=ATOL, rtol=ATOL)
     assert set(planned.backend.layouts) == ({layout} - {"whole"})  # a layout's copy exists while the plan uses it
-    sibling = planned.sibling()  # same weights, same plan, same copy of the weights in that layout
-    assert sibling.row_plan == planned.row_plan and sibling.backend.layouts == planned.backend.layouts
-    assert all(a is b for a, b in zip(sibling.backend.layouts.values(), planned.backend.layouts.values()))
+    other = TargetModel(model, backend="lean")  # a second target over the same weights, with the same plan ...
+    assert other.use_row_plan(planned.row_plan) and other.row_plan == planned.row_plan
+    assert other.backend.layouts == planned.backend.layouts  # ... shares the one copy of the weights in that layout
+    assert all(a is b for a, b in zip(other.backend.layouts.values(), planned.backend.layouts.values()))
     planned.use_row_plan({})
     assert planned.backend.layouts == {}
 

@@ -46,9 +46,9 @@ def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, co
     decoder = next(iter(load_decoders(model, ["ngram"], device, dtype, threads, budgets=[max(sizes)]).values()))
     hf = decoder.target.model
     backends = [b for b in BACKENDS if b == "transformers" or supports(hf) is None]
-    targets = {b: TargetModel(hf, decoder.target.tokenizer, backend=b.removesuffix("+plan")) for b in backends}
-    if "lean+plan" in targets:
-        targets["lean+plan"] = decoder.target  # calibrated at load: the row plan every decoding run uses
+    # "lean+plan" is the decoder's own target, calibrated at load: the row plan every decoding run uses
+    targets = {b: decoder.target if b == "lean+plan" else TargetModel(hf, decoder.target.tokenizer, backend=b)
+               for b in backends}
     any_target = targets[backends[0]]
     context = max(1, min(context, any_target.max_context - max(sizes) - 2))
     ids = torch.arange(context, device=any_target.device) % any_target.vocab_size
