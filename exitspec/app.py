@@ -65,6 +65,7 @@ def load_decoders(
     lookup: str | Path = "auto",
     budgets: Sequence[int | str] = ("auto",),
     warm_start: bool = True,
+    learn: bool = True,
 ):
     """{drafter spec: SpeculativeDecoder}, all sharing one copy of the target's weights and one calibration.
 
@@ -75,7 +76,9 @@ def load_decoders(
     for the largest of `budgets` (`SpeculativeDecoder.calibrate`: one cost grid, the same row plan on every
     decoder's target), so its speculative and autoregressive runs share one forward configuration from the
     start; no `budgets` (a command that times no decoding) skips it. `warm_start`: each decoder's runs start
-    from what earlier processes learned under the same settings, and save what they learn (warm.py).
+    from what earlier processes learned under the same settings, and save what they learn (warm.py). `learn`:
+    each finished answer goes into the drafter's suffix memory, which later requests draft from (off for
+    measurements, whose prompts must not find their own earlier answers there).
     """
     from exitspec.decode import SpeculativeDecoder
 
@@ -87,7 +90,7 @@ def load_decoders(
     for spec in dict.fromkeys(drafters):
         drafter = load_drafter(spec, hf_model, lookup)
         decoders[spec] = SpeculativeDecoder(TargetModel(hf_model, tokenizer, drafter.feature_layers), drafter,
-                                            warm_start)
+                                            warm_start, learn)
         if budgets:
             cost = decoders[spec].calibrate(max(DENSE, *(budget_cap(parse_budget(b)) for b in budgets)), cost=cost)
     return decoders

@@ -147,7 +147,8 @@ def generate(args) -> int:
     resolve_device(args.device)
     check_budgets([args.budget], args.model, args.device)
     decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads, args.lookup,
-                            budgets=[args.budget], warm_start=not args.no_warm_start)[args.drafter]
+                            budgets=[args.budget], warm_start=not args.no_warm_start,
+                            learn=not args.compare)[args.drafter]  # a measurement must not find its own answers
     settings = {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat,

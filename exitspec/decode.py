@@ -194,7 +194,7 @@ class _Run:
 class SpeculativeDecoder:
     """Exact tree speculative decoding of `target` with proposals from `drafter`."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter, warm_start: bool = True):
+    def __init__(self, target: TargetModel, drafter: Drafter, warm_start: bool = True, learn: bool = True):
         if drafter.feature_layers and tuple(drafter.feature_layers) != tuple(target.feature_layers):
             raise ValueError(
                 f"the drafter reads target layers {list(drafter.feature_layers)} but the target taps "
@@ -204,6 +204,7 @@ class SpeculativeDecoder:
         self.costs: dict[int, CostModel] = {}  # per cap: the target stage's cost against N (`--budget auto`)
         self._auto: dict[tuple[int, SamplingParams], AutoBudget] = {}  # per cap and sampling settings
         self.warm_start = warm_start  # start from what earlier processes learned, and save what runs learn
+        self.learn = learn  # each finished answer goes into the drafter's suffix memory (drafter.learn)
         self._warm = WarmStart(target, drafter)
 
     def calibrate(self, cap: int = DENSE, refresh: bool = False, cost: CostModel | None = None) -> CostModel:
@@ -237,15 +238,17 @@ class SpeculativeDecoder:
         threads: int | None = None,
         lookup: str | Path = "auto",
         warm_start: bool = True,
+        learn: bool = True,
     ) -> SpeculativeDecoder:
         """A local HF model folder (None: the default SmolLM2-135M-Instruct) and a drafter (see load_drafter;
         None: the shipped DFlash drafter for the default model, n-gram for any other) with its corpus-lookup table
         (auto, none or a path), built by app.load_decoders. `warm_start`: runs start from what earlier processes
-        learned under the same settings, and save what they learn (warm.py)."""
+        learned under the same settings, and save what they learn (warm.py). `learn`: each finished answer goes
+        into the drafter's suffix memory, which later requests draft from (drafters/suffix.py)."""
         from exitspec.app import load_decoders
 
         spec = str(drafter or default_drafter(model))
-        return load_decoders(model, [spec], device, dtype, threads, lookup, warm_start=warm_start)[spec]
+        return load_decoders(model, [spec], device, dtype, threads, lookup, warm_start=warm_start, learn=learn)[spec]
 
     def generate(
         self,
@@ -275,7 +278,7 @@ class SpeculativeDecoder:
         target, drafter = self.target, self.drafter
         drafter.calibrate_for(params)
         if self.warm_start:
-            self._warm.load(params, auto)  # once per settings in this process (warm.py)
+            self._warm.load(params, auto, self.learn)  # once per settings in this process (warm.py)
         run, prompt_ids, timer, start = _start_run(target, prompt, max_new_tokens, stop_tokens, stream, chat)
 
         features = target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
@@ -348,8 +351,10 @@ class SpeculativeDecoder:
                 run.stopped_by = "max_rounds"
                 break
         result = _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
+        if self.learn:
+            drafter.learn(run.tokens)
         if self.warm_start:
-            self._warm.save(params, auto)
+            self._warm.save(params, auto, self.learn)
         return result
 
 

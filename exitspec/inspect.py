@@ -230,7 +230,7 @@ def run(args) -> int:
     args.drafter = args.drafter or default_drafter(args.model)
     check_budgets([args.budget], args.model, args.device)
     decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads, args.lookup,
-                            warm_start=not args.no_warm_start)[args.drafter]
+                            warm_start=not args.no_warm_start, learn=False)[args.drafter]
     prompt_ids, rounds, tokens = inspect_rounds(
         decoder, prompt, args.rounds, args.budget, params, args.verifier, args.seed, chat=not args.no_chat
     )

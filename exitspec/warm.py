@@ -9,6 +9,8 @@ process starts from there:
 
     warm/calibration-<hash>.json   per target model, drafter, device type, dtype and sampling settings
     warm/auto-<hash>.json          the same, and the budget's cap
+    warm/suffix-<hash>.safetensors per target model: its earlier answers, which suffix drafting copies from
+                                   (drafters/suffix.py; checked against the tokenizer on load)
 
 A file is JSON, written atomically: {"version", "key", "state"}, where the key's fields, in the clear, are
 what its name hashes. A file that is damaged, of another version or made for another key is never trusted:
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from exitspec.budget import AutoBudget
 from exitspec.drafters import Drafter
+from exitspec.drafters.suffix import tokenizer_digest
 from exitspec.models import cache_dir, write_atomic
 from exitspec.sampling import SamplingParams
 from exitspec.target import TargetModel
@@ -37,10 +40,9 @@ def key(kind: str, target: TargetModel, drafter: Drafter, params: SamplingParams
     """What a learned state of `kind` ("calibration" or "auto") belongs to: the target (sha256 of its full
     config), the drafter's identity, the device type, the dtype, the sampling settings and, for `--budget
     auto`'s rates, the cap."""
-    config = target.model.config.to_json_string(use_diff=False)
     fields = {
         "kind": kind,
-        "model": hashlib.sha256(config.encode()).hexdigest()[:16],
+        "model": model_digest(target),
         "drafter": drafter.identity(),
         "device": target.device.type,
         "dtype": str(target.model.dtype),
@@ -49,6 +51,16 @@ def key(kind: str, target: TargetModel, drafter: Drafter, params: SamplingParams
         "top_p": float(params.top_p),
     }
     return fields if cap is None else fields | {"cap": cap}
+
+
+def model_digest(target: TargetModel) -> str:
+    """16 hex digits of sha256 of the target's full config."""
+    return hashlib.sha256(target.model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+
+
+def memory_path(target: TargetModel) -> Path:
+    """The file of the target's suffix memory: cache_dir()/warm/suffix-<model_digest>.safetensors."""
+    return cache_dir() / "warm" / f"suffix-{model_digest(target)}.safetensors"
 
 
 def path(key: dict) -> Path:
@@ -90,6 +102,13 @@ class WarmStart:
     def __init__(self, target: TargetModel, drafter: Drafter):
         self.target, self.drafter = target, drafter
         self.read: set[Path] = set()  # the files read (or found missing) in this process
+        self._tokenizer: str | None = None
+
+    def tokenizer(self) -> str:
+        """The target tokenizer's digest, which a suffix memory's file records (computed once)."""
+        if self._tokenizer is None:
+            self._tokenizer = tokenizer_digest(self.target.tokenizer)
+        return self._tokenizer
 
     def parts(self, params: SamplingParams, auto: AutoBudget | None) -> list[tuple[dict, Callable, Callable]]:
         """(key, state getter, state loader) of the drafter's calibration and, under `--budget auto`, its rates."""
@@ -99,14 +118,27 @@ class WarmStart:
             parts.append((key("auto", target, drafter, params, auto.cap), auto.state, auto.restore))
         return parts
 
-    def load(self, params: SamplingParams, auto: AutoBudget | None) -> None:
-        """Before a run: the saved state of each key not read yet in this process."""
+    def load(self, params: SamplingParams, auto: AutoBudget | None, memory: bool) -> None:
+        """Before a run: the saved state of each key not read yet in this process, and with `memory` the
+        drafter's suffix memory."""
         for part_key, _, load in self.parts(params, auto):
             if path(part_key) not in self.read:
                 self.read.add(path(part_key))
                 restore(part_key, load)
+        held = self.drafter.memory() if memory else None
+        file = memory_path(self.target)
+        if held is not None and file not in self.read:
+            self.read.add(file)
+            if file.is_file():
+                try:
+                    held.restore(file, self.tokenizer())
+                except ValueError as e:
+                    warnings.warn(f"ignoring a suffix memory ({e}); it is replaced after the run", stacklevel=2)
 
-    def save(self, params: SamplingParams, auto: AutoBudget | None) -> None:
-        """After a run: the state of each key, as it is now."""
+    def save(self, params: SamplingParams, auto: AutoBudget | None, memory: bool) -> None:
+        """After a run: the state of each key, as it is now, and with `memory` the drafter's suffix memory."""
         for part_key, state, _ in self.parts(params, auto):
             save(part_key, state())
+        held = self.drafter.memory() if memory else None
+        if held is not None and held.answers:
+            held.save(memory_path(self.target), self.tokenizer())

@@ -42,7 +42,7 @@ def inference_taus(model, drafter_model, rollout: Rollout, temperature: float) -
     """1 + C_p of the tree that generate() builds and verifies after each response prefix (every anchor), from
     the drafter's model source alone (train eval scores the drafter, not the copy candidates beside it)."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    drafter = DFlashDrafter(drafter_model, embed, head, copy_source=False)
+    drafter = DFlashDrafter(drafter_model, embed, head, suffix_source=False)
     target = TargetModel(model, None, drafter.feature_layers)
     ids = torch.tensor(rollout.prompt_ids + rollout.response_ids)
     taus = []
@@ -128,7 +128,7 @@ def test_greedy_check_equals_the_inference_trees_on_greedy_responses(models, dra
     assert result["tau"] == pytest.approx(sum(expected) / len(expected), abs=1e-4)
     assert result["tau"] > 1.0
     top1 = []  # depth 1: does the drafter's argmax equal the response's next token?
-    inference = DFlashDrafter(drafter, model.get_input_embeddings(), model.get_output_embeddings(), copy_source=False)
+    inference = DFlashDrafter(drafter, model.get_input_embeddings(), model.get_output_embeddings(), suffix_source=False)
     target = TargetModel(model, None, inference.feature_layers)
     for r in rollouts:
         ids = torch.tensor(r.prompt_ids + r.response_ids)

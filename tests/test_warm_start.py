@@ -97,7 +97,7 @@ def test_drafters_hand_over_the_calibration_of_the_current_setting(model):
     decoder = new_decoder(model)
     run(decoder, temperature=1.0, budget=CAP)
     state = decoder.drafter.calibration_state()
-    assert learned(state) and set(state) == {"model", "copy", "lookup"}
+    assert learned(state) and set(state) == {"model", "lookup", "request", "memory"}
     other = new_decoder(model).drafter
     other.calibrate_for(SamplingParams(1.0))
     ChainDrafter(other).load_calibration(json.loads(json.dumps(state)))  # a chain hands it to its drafter
@@ -113,11 +113,12 @@ def test_a_new_decoder_starts_from_the_saved_state(model, folder):
     first = new_decoder(model)
     run(first)
     assert learned(first.drafter.calibration_state())
-    assert sorted(p.name.split("-")[0] for p in folder.iterdir()) == ["auto", "calibration"]
+    assert sorted(p.name.split("-")[0] for p in folder.iterdir()) == ["auto", "calibration", "suffix"]
     second = new_decoder(model)
     run(second, tokens=0)
     assert second.drafter.calibration_state() == first.drafter.calibration_state()
     assert second.auto_budget(CAP, GREEDY).state() == first.auto_budget(CAP, GREEDY).state()
+    assert list(second.drafter.memory().answers) == list(first.drafter.memory().answers)  # the first's answer
     for file in folder.iterdir():  # read once per process: later runs go on from memory
         file.write_text("{")
     with warnings.catch_warnings(record=True) as caught:
@@ -130,12 +131,12 @@ def test_warm_start_off_neither_reads_nor_writes(model, folder):
     run(new_decoder(model, warm_start=False))
     assert not folder.exists()
     run(new_decoder(model))
-    saved = {p: p.read_text() for p in folder.iterdir()}
+    saved = {p: p.read_bytes() for p in folder.iterdir()}
     cold = new_decoder(model, warm_start=False)
     run(cold, tokens=0)
     assert cold.drafter.calibration_state() == cold_state(model)
     run(cold)
-    assert {p: p.read_text() for p in folder.iterdir()} == saved
+    assert {p: p.read_bytes() for p in folder.iterdir()} == saved
 
 
 def damage(file, how: str) -> None:
@@ -156,10 +157,10 @@ def test_a_damaged_or_foreign_file_warns_once_and_is_replaced(model, folder, how
     """Each file is checked against the key it should hold; one made under other sampling settings (copied over
     this one) is as foreign as one for another model."""
     run(new_decoder(model), budget=CAP)
-    (file,) = folder.iterdir()
+    (file,) = folder.glob("*.json")
     if how == "other settings":
         run(new_decoder(model), temperature=1.0, budget=CAP)
-        (other,) = set(folder.iterdir()) - {file}
+        (other,) = set(folder.glob("*.json")) - {file}
         other.replace(file)
     else:
         damage(file, how)

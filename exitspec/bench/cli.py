@@ -63,7 +63,7 @@ def run(args) -> int:
     )
     drafters = list(dict.fromkeys(c.drafter for c in plan.configs))
     runner = Runner(load_decoders(args.model, drafters, args.device, args.dtype, args.threads, args.lookup,
-                                  budgets=budgets, warm_start=not args.no_warm_start))
+                                  budgets=budgets, warm_start=not args.no_warm_start, learn=False))
     results = ResultsFile(out / "results.jsonl")
     if results.envs and results.envs[0].cost:
         runner.adopt(CostModel.from_dict(results.envs[0].cost))

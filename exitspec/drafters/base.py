@@ -21,7 +21,9 @@ per token that the target's KV cache holds; a drafter that reads none has `featu
 receives `None`.
 
 What the estimates learned outlives the process: warm.py saves `calibration_state()` after a run, under the
-drafter's `identity()`, and a later process's decoder hands it back through `load_calibration`.
+drafter's `identity()`, and a later process's decoder hands it back through `load_calibration`. A drafter
+that drafts from the target's earlier answers (suffix.py) gets each finished one through `learn`, and warm.py
+keeps its `memory()` on disk too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from exitspec.drafters.suffix import SuffixMemory
 from exitspec.tree import DraftTree
 
 
@@ -69,3 +72,9 @@ class Drafter(Protocol):
 
     def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
         """committed_ids [n]: the root and accepted path tokens now in the target cache; features [n, F]."""
+
+    def learn(self, answer: list[int]) -> None:
+        """A finished answer of the target (its new tokens), for drafters that draft from earlier answers."""
+
+    def memory(self) -> SuffixMemory | None:
+        """The suffix memory of earlier answers this drafter drafts from (warm.py keeps it on disk), or None."""

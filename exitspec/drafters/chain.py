@@ -69,3 +69,9 @@ class ChainDrafter:
 
     def commit(self, committed_ids, features) -> None:
         self.inner.commit(committed_ids, features)
+
+    def learn(self, answer: list[int]) -> None:
+        self.inner.learn(answer)
+
+    def memory(self):
+        return self.inner.memory()

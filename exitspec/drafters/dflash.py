@@ -10,11 +10,11 @@ One round for a context x_0..x_{L-1} whose last token (the root) is not yet in t
 The block's own keys and values never enter the cache: `commit` appends the features of the tokens the
 target has just accepted (the root and the accepted path), exactly as `begin` fills it with the prompt's.
 
-Copy candidates: prompt lookup (ngram.py) also proposes what followed earlier occurrences of the context's
-suffix, and corpus lookup (lookup.py), where the drafter has a table of its target's own responses, what
-followed the context's last tokens there. All sources' nodes are ranked on one scale, their calibrated
-estimates of P(u) (calibrate.py), and the tree takes the best of the union. A `cheap` round skips the block
-forward and drafts from the lookup sources alone.
+Copy candidates: suffix drafting (suffix.py) also proposes what followed the longest earlier match of the
+context's tail in this request and in the target's earlier answers, and corpus lookup (lookup.py), where the
+drafter has a table of its target's own responses, what followed the context's last tokens there. All
+sources' nodes are ranked on one scale, their calibrated estimates of P(u) (calibrate.py), and the tree takes
+the best of the union. A `cheap` round skips the block forward and drafts from the copy sources alone.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from exitspec.budget import cheaper_panels
 from exitspec.build import build_ddtree
 from exitspec.calibrate import (
     SourceMerge,
-    copy_bins,
-    copy_calibrator,
     lookup_bins,
     lookup_calibrator,
     model_bins,
@@ -40,7 +38,7 @@ from exitspec.calibrate import (
 )
 from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel
 from exitspec.drafters.lookup import LookupProposal, NgramTable
-from exitspec.drafters.ngram import NgramDrafter, NgramProposal
+from exitspec.drafters.suffix import SuffixMemory, SuffixProposal, SuffixSource
 from exitspec.drafters.vocab import DraftHead
 from exitspec.tree import DraftTree
 
@@ -48,7 +46,7 @@ from exitspec.tree import DraftTree
 @dataclass(frozen=True)
 class DFlashProposal:
     marginals: Tensor | None  # [H, V] fp32 per-depth logits; None in a cheap round
-    copy: NgramProposal | None  # prompt-lookup continuations; None without the copy source
+    suffix: SuffixProposal | None  # the suffix trees' candidates; None without the suffix source
     lookup: LookupProposal | None = None  # the context's tail for corpus lookup; None without a table
 
 
@@ -92,7 +90,7 @@ class DFlashDrafter:
         target_embeddings: nn.Embedding,
         target_lm_head: nn.Module,
         device=None,
-        copy_source: bool = True,
+        suffix_source: bool = True,
         lookup: NgramTable | None = None,
     ):
         cfg = model.config
@@ -115,8 +113,8 @@ class DFlashDrafter:
         self.vocab_size = vocab
         self.cache = DraftCache()
         self._pending: list[Tensor] = []  # committed features [n, F] not yet projected into the cache
-        self.copy = NgramDrafter() if copy_source else None
         self.lookup = lookup
+        self.suffix = SuffixSource(SuffixMemory(vocab)) if suffix_source else None
         self._identity: str | None = None  # identity(), computed on first use
         self.reset_calibration()
 
@@ -124,23 +122,24 @@ class DFlashDrafter:
         """Forgets what the estimates of P(u) learned (they persist across sequences otherwise)."""
         self.merge = SourceMerge({
             "model": (model_calibrator, lambda t: model_bins(t.scores)),
-            "copy": (copy_calibrator, copy_bins),
             "lookup": (lookup_calibrator, lookup_bins),
+            "request": (lookup_calibrator, lookup_bins),
+            "memory": (lookup_calibrator, lookup_bins),
         })
 
     @classmethod
     def from_pretrained(
-        cls, folder, target_hf_model, device=None, dtype: torch.dtype | None = None, copy_source: bool = True,
+        cls, folder, target_hf_model, device=None, dtype: torch.dtype | None = None, suffix_source: bool = True,
         lookup: NgramTable | None = None,
     ) -> DFlashDrafter:
         """Loads a checkpoint folder for an HF causal LM target, after checking that the target fits it.
-        The drafter takes the target's device and embedding dtype unless told otherwise; `copy_source`
-        adds prompt-lookup candidates to its trees, `lookup` corpus-lookup ones."""
+        The drafter takes the target's device and embedding dtype unless told otherwise; `suffix_source`
+        adds suffix-tree candidates to its trees, `lookup` corpus-lookup ones."""
         tc = target_hf_model.config.get_text_config()
         embed, lm_head = target_hf_model.get_input_embeddings(), target_hf_model.get_output_embeddings()
         DFlashConfig.load(folder).check_target(tc.hidden_size, lm_head.weight.shape[0], tc.num_hidden_layers)
         model = DFlashModel.from_pretrained(folder, dtype=dtype or embed.weight.dtype)
-        return cls(model, embed, lm_head, device=device, copy_source=copy_source, lookup=lookup)
+        return cls(model, embed, lm_head, device=device, suffix_source=suffix_source, lookup=lookup)
 
     # -- the Drafter protocol ------------------------------------------------------------------------------
 
@@ -148,7 +147,7 @@ class DFlashDrafter:
         self.merge.use(setting)
 
     def identity(self) -> str:
-        """'dflash:' and a digest of the config and weights, then the lookup table's digest and '+copy' where those
+        """'dflash:' and a digest of the config and weights, then the lookup table's digest and '+suffix' where those
         sources draft too. Computed once: the weights are frozen at inference."""
         if self._identity is None:
             digest = hashlib.sha256(json.dumps(self.model.config.to_dict(), sort_keys=True).encode())
@@ -156,7 +155,8 @@ class DFlashDrafter:
                 digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
                 digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
             lookup = "" if self.lookup is None else f"+lookup:{self.lookup.digest()}"
-            self._identity = f"dflash:{digest.hexdigest()[:16]}{lookup}{'+copy' if self.copy else ''}"
+            suffix = "" if self.suffix is None else "+suffix"
+            self._identity = f"dflash:{digest.hexdigest()[:16]}{lookup}{suffix}"
         return self._identity
 
     def calibration_state(self) -> dict:
@@ -171,15 +171,17 @@ class DFlashDrafter:
         self.cache.clear()
         self._check_features(features, prompt_ids.numel() - 1)
         self._pending = [features]
+        if self.suffix is not None:
+            self.suffix.begin(prompt_ids.tolist())
 
     @torch.no_grad()
     def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> DFlashProposal:
         """The block forward's marginals (unless `cheap`) and the lookup sources' proposals."""
-        copy = self.copy.propose(context_ids, max_depth) if self.copy is not None else None
         lookup = None
         if self.lookup is not None:
             lookup = self.lookup.propose(context_ids[-self.lookup.orders :].tolist(), max_depth)
-        return DFlashProposal(None if cheap else self.marginals(context_ids, max_depth), copy, lookup)
+        suffix = self.suffix.propose(context_ids.tolist(), max_depth, self.device) if self.suffix is not None else None
+        return DFlashProposal(None if cheap else self.marginals(context_ids, max_depth), suffix, lookup)
 
     @torch.no_grad()
     def marginals(self, context_ids: Tensor, max_depth: int) -> Tensor:
@@ -205,15 +207,15 @@ class DFlashDrafter:
         return self.head.expand(self.head(hidden[0, 1 : 1 + depth])).float()  # [H, V]
 
     def build(self, proposal: DFlashProposal, root_token: int, budget: int) -> DraftTree:
-        """The `budget` best nodes of the DDTree over the marginals (the most probable prefixes), the copy
-        trie and the lookup tree, ranked by their calibrated estimates of P(u)."""
+        """The `budget` best nodes of the DDTree over the marginals (the most probable prefixes), the suffix
+        trees' speculations and the lookup tree, ranked by their calibrated estimates of P(u)."""
         candidates = {}
         if proposal.marginals is not None and proposal.marginals.shape[0]:
             candidates["model"] = build_ddtree(proposal.marginals, root_token, budget)
-        if proposal.copy is not None and proposal.copy.continuations:
-            candidates["copy"] = self.copy.trie(proposal.copy, root_token, budget)
         if proposal.lookup is not None:
             candidates["lookup"] = self.lookup.tree(proposal.lookup, root_token, budget, self.device)
+        if proposal.suffix is not None:
+            candidates |= self.suffix.trees(proposal.suffix, root_token)
         return self.merge.build(root_token, candidates, budget, self.device)
 
     def observe(self, tree: DraftTree, reach: Tensor) -> None:
@@ -227,6 +229,14 @@ class DFlashDrafter:
         cache. They are projected lazily, all at once, by the next block forward (cheap rounds skip it)."""
         self._check_features(features, committed_ids.numel())
         self._pending.append(features)
+
+    def learn(self, answer: list[int]) -> None:
+        """A finished answer goes into the suffix memory, where later requests' drafts find it."""
+        if self.suffix is not None:
+            self.suffix.learn(answer)
+
+    def memory(self) -> SuffixMemory | None:
+        return None if self.suffix is None else self.suffix.memory
 
     # -- internals -----------------------------------------------------------------------------------------
 

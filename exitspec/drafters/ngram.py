@@ -59,6 +59,12 @@ class NgramDrafter:
     def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
         pass
 
+    def learn(self, answer: list[int]) -> None:
+        pass
+
+    def memory(self) -> None:
+        return None
+
     def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> NgramProposal:
         """Up to max_candidates continuations (each <= max_depth tokens) of earlier suffix matches in context_ids [L].
 

@@ -141,7 +141,7 @@ def run_eval(args) -> list[dict]:
     if any(drafter_folder(spec) is None or split_chain(spec)[1] for spec in args.drafters):
         raise ValueError("held-out acceptance measures DFlash drafters; 'ngram' and chains have no draft logits to build from")
     decoders = load_decoders(args.model, args.drafters, args.device, args.dtype, args.threads, budgets=(),
-                             warm_start=not args.no_warm_start)
+                             warm_start=not args.no_warm_start, learn=False)
     model, tokenizer = next(iter(decoders.values())).target.model, next(iter(decoders.values())).target.tokenizer
     heldout = make_heldout(model, tokenizer, model_name(args.model), args.datasets, args.rollouts, args.num_prompts,
                            args.max_new_tokens, args.data_dir, progress=not args.no_progress)

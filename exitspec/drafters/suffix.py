@@ -1,0 +1,196 @@
+"""Suffix drafting (SuffixDecoding, Oliaro et al. 2024): what followed the longest earlier occurrence of the
+context's tail, in this request and in every answer the target gave before.
+
+Two suffix trees (arctic-inference's C++ `SuffixTree`, the one vLLM's `suffix` method runs):
+
+    request  the prompt and the answer so far, extended every round (`SuffixSource.propose` syncs it)
+    memory   every finished answer of this target (`SuffixMemory`), bounded, persisted, learned from use
+
+For a context, each tree finds the longest match of its last tokens (up to `max_depth` of them) and grows a
+speculation tree from the continuations seen after it, best first by their frequency estimate
+
+    q(x_1..x_d) = Π_i c(match, x_<i, x_i) / c(match, x_<i)                (counts of what followed the match)
+
+as long as the tree holds at most α · (match length) nodes and q stays above `MIN_PROBABILITY`. Unlike vLLM,
+which collapses the tree to one chain, exitspec keeps both trees as candidate sources: the drafter ranks their
+nodes against its other sources' on one scale of calibrated P(u) (calibrate.py: bins of depth × q), and the
+verifier checks the merged tree exactly at any temperature.
+
+The memory lives in a safetensors file: every answer's tokens back to back (`tokens` int32 [T]) and where
+each starts (`starts` int64 [R]), with the vocabulary size and a digest of the tokenizer in its metadata,
+checked on load. Beyond `max_tokens` stored tokens the oldest answers are dropped (first in, first out).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from exitspec.tree import DraftTree
+
+MAX_MATCH = 64  # the longest context tail a suffix tree matches (its depth)
+SPEC_FACTOR = 4.0  # α: a tree holds at most α · (match length) nodes (SuffixDecoding's max_spec_factor)
+MIN_PROBABILITY = 0.1  # nodes whose frequency estimate q falls below this are not proposed
+MEMORY_TOKENS = 1_000_000  # default bound on a memory's stored tokens
+MIN_ANSWER = 2  # shorter answers teach nothing
+MAX_NODES = 32  # a suffix tree's speculation holds at most this many nodes
+
+
+def _suffix_tree():
+    try:
+        from arctic_inference.suffix_decoding._C import SuffixTree
+    except ImportError as e:
+        raise RuntimeError(
+            f"suffix drafting needs arctic-inference's suffix tree ({e}); install it: pip install arctic-inference"
+        ) from None
+    return SuffixTree(MAX_MATCH)
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """16 hex digits of sha256 of the tokenizer's vocabulary (token → id): two tokenizers that agree on it encode
+    alike, so a memory of one is good for the other. "none" for a target without a tokenizer (token ids in and
+    out)."""
+    if tokenizer is None:
+        return "none"
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SuffixProposal:
+    """The candidate tree of each suffix tree that matched ("request", "memory"), as (parents, tokens, q) lists
+    under the root: parents index this list, −1 the root."""
+
+    drafts: dict[str, tuple[list[int], list[int], list[float]]]
+    max_depth: int
+    device: torch.device
+
+
+class SuffixMemory:
+    """Every finished answer of one target, in one suffix tree, oldest dropped first beyond `max_tokens`."""
+
+    def __init__(self, vocab_size: int, max_tokens: int = MEMORY_TOKENS):
+        if max_tokens < 0:
+            raise ValueError(f"a suffix memory's max_tokens must be >= 0, got {max_tokens}")
+        self.vocab_size, self.max_tokens = vocab_size, max_tokens
+        self.tree = _suffix_tree()
+        self.answers: deque[tuple[int, list[int]]] = deque()  # (sequence id, tokens), oldest first
+        self.stored = 0  # tokens in `answers`
+        self._next_id = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Stores one finished answer (drops the oldest ones while the memory holds more than max_tokens)."""
+        tokens = [int(t) for t in tokens]
+        if len(tokens) < MIN_ANSWER or len(tokens) > self.max_tokens:
+            return
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError(f"an answer holds token ids outside the target's vocabulary of {self.vocab_size}")
+        self.tree.extend(self._next_id, tokens)
+        self.answers.append((self._next_id, tokens))
+        self._next_id += 1
+        self.stored += len(tokens)
+        while self.stored > self.max_tokens:
+            seq, old = self.answers.popleft()
+            self.tree.remove(seq)
+            self.stored -= len(old)
+
+    def save(self, path: str | Path, tokenizer: str) -> None:
+        """Writes the answers as safetensors, atomically (a temporary file renamed into place); `tokenizer` is
+        its digest (tokenizer_digest), checked by `restore`."""
+        path = Path(path)
+        flat = [t for _, tokens in self.answers for t in tokens]
+        starts = [0]
+        for _, tokens in self.answers:
+            starts.append(starts[-1] + len(tokens))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file(
+            {"tokens": torch.tensor(flat, dtype=torch.int32), "starts": torch.tensor(starts[:-1], dtype=torch.int64)},
+            tmp, metadata={"vocab_size": str(self.vocab_size), "tokenizer": tokenizer},
+        )
+        os.replace(tmp, path)
+
+    def restore(self, path: str | Path, tokenizer: str) -> None:
+        """Adds the answers of a file written by `save` for this tokenizer; a wrong or damaged file is one
+        ValueError, and nothing is added."""
+        path = Path(path)
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+                flat, starts = f.get_tensor("tokens"), f.get_tensor("starts")
+            file_vocab, file_tokenizer = int(meta["vocab_size"]), meta["tokenizer"]
+        except (SafetensorError, OSError, KeyError, ValueError) as e:
+            raise ValueError(f"{path} is not an exitspec suffix memory ({type(e).__name__}: {e})") from None
+        if (file_vocab, file_tokenizer) != (self.vocab_size, tokenizer):
+            raise ValueError(f"the suffix memory {path} belongs to another tokenizer (vocabulary {file_vocab}, digest "
+                             f"{file_tokenizer}; this target's: {self.vocab_size}, {tokenizer})")
+        bounds = [*starts.tolist(), flat.numel()]
+        if flat.dim() != 1 or starts.dim() != 1 or any(b > e for b, e in zip(bounds, bounds[1:])) or bounds[0] < 0:
+            raise ValueError(f"{path} has answer tensors of inconsistent shapes")
+        answers = [flat[start:end].tolist() for start, end in zip(bounds, bounds[1:])]
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.vocab_size):
+            raise ValueError(f"{path} holds token ids outside the target's vocabulary of {self.vocab_size}")
+        for answer in answers:
+            self.add(answer)
+
+
+class SuffixSource:
+    """Suffix-tree candidates for one decoder: a request tree, rebuilt per prompt, and an optional memory."""
+
+    def __init__(self, memory: SuffixMemory | None = None):
+        self.memory = memory
+        self.request = None  # the suffix tree of the current prompt + answer so far
+        self.synced = 0  # context tokens in `request`
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.request = _suffix_tree()
+        self.synced = 0
+        self._sync(list(prompt_ids))
+
+    def propose(self, context: list[int], max_depth: int, device) -> SuffixProposal:
+        """Each tree's best-first speculation after the context's last tokens (MAX_NODES nodes at most)."""
+        self._sync(context)
+        tail = context[-MAX_MATCH:]
+        trees = {"request": self.request} | ({"memory": self.memory.tree} if self.memory is not None else {})
+        drafts = {}
+        for name, tree in trees.items():
+            draft = tree.speculate(tail, MAX_NODES, SPEC_FACTOR, 0.0, MIN_PROBABILITY, True)
+            if draft.token_ids:
+                drafts[name] = (list(draft.parents), list(draft.token_ids), list(draft.probs))
+        return SuffixProposal(drafts, max_depth, device)
+
+    def learn(self, answer: Sequence[int]) -> None:
+        if self.memory is not None:
+            self.memory.add(answer)
+
+    def trees(self, proposal: SuffixProposal, root_token: int) -> dict[str, DraftTree]:
+        """The proposal as candidate trees no deeper than its max_depth, best first (q never grows along a path,
+        so parents come first); their `scores` are the frequency estimates q."""
+        out = {}
+        for name, (parents, tokens, probs) in proposal.drafts.items():
+            depth = [0] * len(tokens)
+            for i, p in enumerate(parents):  # arctic lists a parent before its children
+                depth[i] = 1 if p < 0 else depth[p] + 1
+            order = sorted((i for i in range(len(tokens)) if depth[i] <= proposal.max_depth), key=lambda i: (-probs[i], i))
+            if not order:
+                continue
+            position = {i: k + 1 for k, i in enumerate(order)}
+            tree_parents = [-1] + [0 if parents[i] < 0 else position[parents[i]] for i in order]
+            out[name] = DraftTree(
+                torch.tensor(tree_parents), torch.tensor([root_token] + [tokens[i] for i in order]),
+                torch.tensor([0] + [depth[i] for i in order]), (1.0, *(probs[i] for i in order)),
+            ).to(proposal.device)
+        return out
+
+    def _sync(self, context: list[int]) -> None:
+        if len(context) > self.synced:
+            self.request.extend(0, context[self.synced:])
+            self.synced = len(context)
