@@ -278,13 +278,15 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 def _add_latency(p: argparse.ArgumentParser) -> None:
     """`exitspec latency`'s own options; the model and common options come from app's shared groups."""
-    p.add_argument("--stage", choices=("verify", "forward", "profile"), default="verify",
+    p.add_argument("--stage", choices=("verify", "forward", "profile", "suffix"), default="verify",
                    help="verify: the verifier decision and stage, predraw vs TEV (table 3); forward: the target's "
                         "tree forward + commit against N: transformers' forward, the lean one, and the lean one with `auto`'s row plan "
                         "(bench/forward.py); profile: where one tree forward's time goes (products, LM head, "
-                        "attention, the rest)")
-    p.add_argument("--sizes", type=integer(0, MAX_BUDGET), nargs="+", default=[0, 1, 2, 4, 8, 16, 32, 64],
-                   help="--stage forward: tree sizes N (0: the root alone, one decoding step)")
+                        "attention, the rest); suffix: suffix drafting's µs per update and lookup against the "
+                        "memory's stored tokens (bench/suffix.py; --sizes in tokens)")
+    p.add_argument("--sizes", type=integer(0), nargs="+",
+                   help="--stage forward/profile: tree sizes N (0: the root alone, one decoding step; default 0 1 2 4 "
+                        "8 16 32 64); --stage suffix: stored tokens (default 10000 1000000)")
     p.add_argument("--context", type=integer(1), default=300, help="--stage forward: cached tokens before the tree")
     p.add_argument("--budgets", type=integer(1), nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--temperatures", type=real(), nargs="+", default=[1.0, 0.6])

@@ -55,6 +55,12 @@ class RandomTreeDrafter:
     def commit(self, committed_ids, features):
         pass
 
+    def learn(self, answer):
+        pass
+
+    def memory(self):
+        return None
+
 
 def exact_first_tokens_law(model, prompt: list[int], n: int = 3) -> torch.Tensor:
     """[V]*n joint probabilities of the first n generated tokens, enumerated with full causal forwards."""

@@ -46,11 +46,12 @@ from rich.table import Table
 from torch import Tensor
 
 from exitspec.app import load_decoders, resolve_device
-from exitspec.bench import forward
+from exitspec.bench import forward, suffix
 from exitspec.build import build_ddtree
 from exitspec.decode import encode_prompt
 from exitspec.drafters import DFlashDrafter
 from exitspec.flow import check_probs, parent_row_flow, tree_flow
+from exitspec.options import MAX_BUDGET
 from exitspec.sampling import SamplingParams, WarpedRows, target_probs
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
@@ -245,12 +246,19 @@ def print_tables(result: dict, console: Console) -> None:
 
 def run(args) -> int:
     """`exitspec latency`: measures, prints the tables and with --json writes the results."""
+    if args.stage == "suffix":
+        result = suffix.measure(args.model, args.sizes or suffix.SIZES)
+        suffix.print_table(result, Console())
+        return _write_json(result, args.json)
+    sizes = args.sizes or forward.SIZES
+    if max(sizes) > MAX_BUDGET:
+        raise ValueError(f"--sizes: a tree holds at most {MAX_BUDGET} draft tokens, got {max(sizes)}")
     if args.stage == "profile":
-        result = forward.profile(args.model, args.device, args.dtype, args.threads, args.sizes, args.context,
+        result = forward.profile(args.model, args.device, args.dtype, args.threads, sizes, args.context,
                                  args.repeats)
         forward.print_profile(result, Console())
     elif args.stage == "forward":
-        result = forward.measure(args.model, args.device, args.dtype, args.threads, args.sizes, args.context,
+        result = forward.measure(args.model, args.device, args.dtype, args.threads, sizes, args.context,
                                  args.repeats)
         forward.print_table(result, Console())
     else:
@@ -259,8 +267,12 @@ def run(args) -> int:
             args.top_p, args.prompts, args.depth, args.repeats, args.warmup, args.synthetic, args.vocab, args.seed,
         )
         print_tables(result, Console())
-    if args.json:
-        with open(args.json, "w") as f:
+    return _write_json(result, args.json)
+
+
+def _write_json(result: dict, path: str | None) -> int:
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f, indent=2)
     return 0
 

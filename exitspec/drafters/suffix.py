@@ -28,6 +28,7 @@ import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -133,9 +134,9 @@ class SuffixMemory:
             raise ValueError(f"the suffix memory {path} belongs to another tokenizer (vocabulary {file_vocab}, digest "
                              f"{file_tokenizer}; this target's: {self.vocab_size}, {tokenizer})")
         bounds = [*starts.tolist(), flat.numel()]
-        if flat.dim() != 1 or starts.dim() != 1 or any(b > e for b, e in zip(bounds, bounds[1:])) or bounds[0] < 0:
+        if flat.dim() != 1 or starts.dim() != 1 or any(b > e for b, e in pairwise(bounds)) or bounds[0] < 0:
             raise ValueError(f"{path} has answer tensors of inconsistent shapes")
-        answers = [flat[start:end].tolist() for start, end in zip(bounds, bounds[1:])]
+        answers = [flat[start:end].tolist() for start, end in pairwise(bounds)]
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.vocab_size):
             raise ValueError(f"{path} holds token ids outside the target's vocabulary of {self.vocab_size}")
         for answer in answers:
