@@ -15,6 +15,7 @@ from exitspec.calibrate import model_calibrator
 from exitspec.decode import SpeculativeDecoder, generate_autoregressive
 from exitspec.drafters import ChainDrafter, DFlashDrafter, NgramDrafter
 from exitspec.drafters.dflash_model import DFlashModel
+from exitspec.drafters.suffix import SuffixMemory
 from exitspec.sampling import SamplingParams
 from exitspec.target import TargetModel
 
@@ -181,3 +182,21 @@ def test_greedy_output_from_a_warm_start_equals_autoregressive(model):
     out = run(decoder, tokens=40)
     assert out.tokens == generate_autoregressive(TargetModel(model), PROMPT, 40, temperature=0.0, stop_tokens=()).tokens
     assert decoder.auto_budget(CAP, GREEDY).rounds == len(first.rounds) + len(out.rounds)  # it went on from there
+
+
+def test_a_foreign_suffix_memory_warns_and_is_replaced(model, folder):
+    """A memory file of another tokenizer (here: another vocabulary) is not trusted: one warning, an empty
+    memory, and the file replaced by this target's after the run."""
+    decoder = new_decoder(model)
+    foreign = SuffixMemory(VOCAB + 7)
+    foreign.add([1, 2, 3, 4])
+    foreign.save(warm.memory_path(decoder.target), "none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(decoder, tokens=10)
+    (message,) = [str(w.message) for w in caught if "suffix memory" in str(w.message)]
+    assert message.startswith("ignoring a suffix memory")
+    assert [len(a) for _, a in decoder.drafter.memory().answers] == [10]  # its own answer only
+    fresh = SuffixMemory(VOCAB)
+    fresh.restore(warm.memory_path(decoder.target), "none")
+    assert [a for _, a in fresh.answers] == [a for _, a in decoder.drafter.memory().answers]
