@@ -26,7 +26,7 @@ from pathlib import Path
 
 from exitspec import setup_cpu
 from exitspec.bench.presets import PEERS, PRESETS
-from exitspec.data import BUILTIN
+from exitspec.data import BUILTIN, EDITS
 from exitspec.options import (
     DRAFTER_HELP,
     MAX_BUDGET,
@@ -244,8 +244,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     """bench's own options; the model, sampling and common options come from app's shared groups."""
     p.add_argument("--preset", choices=sorted(PRESETS), help="a paper table (see exitspec/bench/presets.py)")
     d = p.add_argument_group("prompts")
-    d.add_argument("--datasets", nargs="+", metavar="NAME", help=f"built-in sets among {', '.join(BUILTIN)} "
-                   "(default: all four, unless --prompts or --hf-dataset is given)")
+    d.add_argument("--datasets", nargs="+", metavar="NAME", help=f"built-in sets among {', '.join(BUILTIN + EDITS)} "
+                   "(default: the preset's, else the first four, unless --prompts or --hf-dataset is given)")
     d.add_argument("--prompts", nargs="+", default=[], metavar="FILE",
                    help='JSONL, a line each: {"prompt": s} | {"messages": [...]} | {"turns": [...]} | {"prompt_ids": [...]}')
     d.add_argument("--hf-dataset", nargs="+", default=[], metavar="ID[:SPLIT[:FIELD]]",

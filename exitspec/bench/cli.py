@@ -26,7 +26,7 @@ from exitspec.bench.presets import CUSTOM, PRESETS, VERIFIER_LATENCY
 from exitspec.bench.rows import SpecRow
 from exitspec.bench.runner import Plan, ResultsFile, Runner, configs, environment, run_plan
 from exitspec.budget import CostModel
-from exitspec.data import BUILTIN, load_dataset
+from exitspec.data import load_dataset
 from exitspec.drafters import default_drafter
 from exitspec.options import budget_cap
 
@@ -48,7 +48,7 @@ def run(args) -> int:
     temperatures = args.temperatures if args.temperatures is not None else list(preset.temperatures)
     verifiers = args.verifiers or list(preset.verifiers)
     check_budgets(budgets, args.model, args.device)
-    specs = args.datasets or ([] if args.prompts or args.hf_dataset else list(BUILTIN))
+    specs = args.datasets or ([] if args.prompts or args.hf_dataset else list(preset.datasets))
     specs += [str(f) for f in args.prompts] + [f"hf:{h}" for h in args.hf_dataset]
     datasets = {}
     for spec in specs:
