@@ -252,6 +252,10 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face datasets (needs the `datasets` package and the network)")
     d.add_argument("--data-dir", type=Path, metavar="DIR", help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
     d.add_argument("--num-prompts", type=integer(1), metavar="N", help="the first N samples of each dataset (default: all)")
+    d.add_argument("--learn", action="store_true",
+                   help="each speculative answer goes into the drafters' suffix memory, which the later prompts draft "
+                        "from (off by default: a prompt must not find its own earlier answer). The memory starts empty "
+                        "and is kept in OUT/memory-<i>.safetensors; with --repeats 2 the second pass measures learning")
     s = p.add_argument_group("settings (a preset's values unless given)")
     s.add_argument("--drafters", nargs="+", metavar="SPEC",
                    help=f"each one of: {DRAFTER_HELP}. The report pairs the last one listed against each other one")

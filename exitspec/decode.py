@@ -207,6 +207,11 @@ class SpeculativeDecoder:
         self.learn = learn  # each finished answer goes into the drafter's suffix memory (drafter.learn)
         self._warm = WarmStart(target, drafter)
 
+    def keep_memory_in(self, path: Path) -> None:
+        """The drafter's suffix memory is read from `path` before the first run (where it exists) and written there
+        after each, instead of exitspec's cache (warm.py): `bench --learn` keeps it beside its results."""
+        self._warm.memory_file = Path(path)
+
     def calibrate(self, cap: int = DENSE, refresh: bool = False, cost: CostModel | None = None) -> CostModel:
         """The target's cost against tree size up to `cap` (`budget.calibrate`: measured, or read from the cache
         and spot-checked; or `cost`, another decoder's over the same weights) and the row plan it implies, set
@@ -265,11 +270,13 @@ class SpeculativeDecoder:
         chat: bool = True,
         max_rounds: int | None = None,
         on_round: Callable[[RoundTrace], None] | None = None,
+        learn: bool = True,
     ) -> GenerationResult:
         """Generates up to max_new_tokens (and at most max_rounds rounds); the output has exactly the (warped)
         target distribution. `budget` is B (at most B draft tokens per tree, always filled if the drafter can),
         "auto" or "auto:B" (each round the tree size up to B, default 32, with the most expected tokens per
-        second; see budget.py). `on_round` sees every round's tree, target distribution and verdict."""
+        second; see budget.py). `on_round` sees every round's tree, target distribution and verdict. `learn=False`
+        keeps this answer out of the suffix memory even where the decoder learns (a warm-up run)."""
         params = SamplingParams(temperature, top_k, top_p)
         check_verifier(verifier, params)
         budget = parse_budget(budget)
@@ -351,7 +358,7 @@ class SpeculativeDecoder:
                 run.stopped_by = "max_rounds"
                 break
         result = _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
-        if self.learn:
+        if self.learn and learn:
             drafter.learn(run.tokens)
         if self.warm_start:
             self._warm.save(params, auto, self.learn)

@@ -21,8 +21,9 @@ VERIFIERS = ("greedy", "predraw", "sequential", "tev")  # the keys of verify.DEC
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DRAFTER_HELP = (
     "'dflash' (the DFlash drafter shipped for the default model; the default there), 'dflash-v1' (the first "
-    "one), 'exittrain' (dflash-v1 fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models), a DFlash checkpoint folder, "
-    "or chain:SPEC (the best path of SPEC's trees: plain chain speculative decoding)"
+    "one), 'exittrain' (dflash-v1 fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models), "
+    "'suffix' (suffix trees over the request and earlier answers), a DFlash checkpoint folder, or chain:SPEC (the "
+    "best path of SPEC's trees: plain chain speculative decoding)"
 )
 # Errors a user causes (a bad value, a missing or corrupt file, a missing package): one line and exit code 2.
 USER_ERRORS = (ValueError, FileNotFoundError, ModuleNotFoundError)

@@ -101,6 +101,7 @@ class WarmStart:
 
     def __init__(self, target: TargetModel, drafter: Drafter):
         self.target, self.drafter = target, drafter
+        self.memory_file = memory_path(target)  # the suffix memory's file (bench --learn keeps its own)
         self.read: set[Path] = set()  # the files read (or found missing) in this process
         self._tokenizer: str | None = None
 
@@ -126,7 +127,7 @@ class WarmStart:
                 self.read.add(path(part_key))
                 restore(part_key, load)
         held = self.drafter.memory() if memory else None
-        file = memory_path(self.target)
+        file = self.memory_file
         if held is not None and file not in self.read:
             self.read.add(file)
             if file.is_file():
@@ -141,4 +142,4 @@ class WarmStart:
             save(part_key, state())
         held = self.drafter.memory() if memory else None
         if held is not None and held.answers:
-            held.save(memory_path(self.target), self.tokenizer())
+            held.save(self.memory_file, self.tokenizer())

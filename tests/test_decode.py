@@ -8,7 +8,7 @@ from exitspec.budget import CostModel
 from exitspec.build import build_ddtree
 from exitspec.check import g_test_pvalue
 from exitspec.decode import SpeculativeDecoder, generate_autoregressive
-from exitspec.drafters import DFlashDrafter, NgramDrafter
+from exitspec.drafters import DFlashDrafter, NgramDrafter, SuffixDrafter
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.drafters.lookup import NgramTable
 from exitspec.options import budget_cap, parse_budget
@@ -86,16 +86,18 @@ def first_tokens_counts(model):
     """verifier → counts [V, V, V] of the first 3 tokens over DRAWS seeded speculative runs at temperature 1."""
     cache = {}
 
-    def counts(verifier: str, budget: int | str = 6) -> torch.Tensor:
-        if (verifier, budget) not in cache:
-            decoder = SpeculativeDecoder(TargetModel(model), RandomTreeDrafter(VOCAB, seed=1))
+    def counts(verifier: str, budget: int | str = 6, drafter: str = "random") -> torch.Tensor:
+        if (verifier, budget, drafter) not in cache:
+            # "suffix": suffix trees over the prompt and every earlier draw's answer (the decoder learns)
+            trees = RandomTreeDrafter(VOCAB, seed=1) if drafter == "random" else SuffixDrafter(VOCAB)
+            decoder = SpeculativeDecoder(TargetModel(model), trees, warm_start=False)
             if isinstance(budget, str):
                 varied_cost(decoder, budget_cap(parse_budget(budget)))
-            counts = cache[verifier, budget] = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
+            counts = cache[verifier, budget, drafter] = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
             for seed in range(DRAWS):
                 out = decoder.generate(PROMPT, 3, 1.0, budget=budget, verifier=verifier, seed=seed, stop_tokens=())
                 counts[tuple(out.tokens)] += 1
-        return cache[verifier, budget]
+        return cache[verifier, budget, drafter]
 
     return counts
 
@@ -103,6 +105,12 @@ def first_tokens_counts(model):
 @pytest.mark.parametrize("verifier", ["predraw", "sequential", "tev"])
 def test_first_three_tokens_follow_the_target_law(model, first_tokens_counts, verifier):
     assert g_test_pvalue(first_tokens_counts(verifier), exact_first_tokens_law(model, PROMPT)) > 1e-3
+
+
+@pytest.mark.parametrize("verifier", ["predraw", "tev"])
+def test_suffix_trees_that_learn_from_earlier_draws_keep_the_target_law(model, first_tokens_counts, verifier):
+    """Each draw's trees come from the prompt and every earlier draw's answer; the law stays exact."""
+    assert g_test_pvalue(first_tokens_counts(verifier, 6, "suffix"), exact_first_tokens_law(model, PROMPT)) > 1e-3
 
 
 @pytest.mark.parametrize("verifier", ["predraw", "tev"])
@@ -128,7 +136,7 @@ def varied_cost(decoder: SpeculativeDecoder, cap: int) -> None:
 def test_greedy_equals_transformers_generate(model, verifier, budget):
     expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)
     cap = budget_cap(parse_budget(budget))
-    for drafter in (RandomTreeDrafter(VOCAB), NgramDrafter()):
+    for drafter in (RandomTreeDrafter(VOCAB), NgramDrafter(), SuffixDrafter(VOCAB)):
         decoder = SpeculativeDecoder(TargetModel(model), drafter)
         if isinstance(budget, str):
             varied_cost(decoder, cap)

@@ -28,7 +28,7 @@ from exitspec.bench.runner import Plan, ResultsFile, Runner, configs, environmen
 from exitspec.budget import CostModel
 from exitspec.data import load_dataset
 from exitspec.drafters import default_drafter
-from exitspec.options import budget_cap
+from exitspec.options import budget_cap, parse_budget
 
 
 def run(args) -> int:
@@ -44,7 +44,7 @@ def run(args) -> int:
         return _verifier_latency(args, out)
 
     preset = PRESETS.get(args.preset, CUSTOM)
-    budgets = args.budgets or list(preset.budgets)
+    budgets = args.budgets or [parse_budget(b) for b in preset.budgets]
     temperatures = args.temperatures if args.temperatures is not None else list(preset.temperatures)
     verifiers = args.verifiers or list(preset.verifiers)
     check_budgets(budgets, args.model, args.device)
@@ -62,9 +62,15 @@ def run(args) -> int:
         temperatures, args.max_new_tokens, args.top_p, args.top_k, args.repeats, args.seed,
     )
     drafters = list(dict.fromkeys(c.drafter for c in plan.configs))
-    runner = Runner(load_decoders(args.model, drafters, args.device, args.dtype, args.threads, args.lookup,
-                                  budgets=budgets, warm_start=not args.no_warm_start, learn=False))
+    decoders = load_decoders(args.model, drafters, args.device, args.dtype, args.threads, args.lookup,
+                             budgets=budgets, warm_start=not args.no_warm_start, learn=args.learn)
+    for i, decoder in enumerate(decoders.values()):  # a --learn run's memory starts empty, beside its results
+        decoder.keep_memory_in(out / f"memory-{i}.safetensors")
+    runner = Runner(decoders)
     results = ResultsFile(out / "results.jsonl")
+    if not results.envs:  # a new results file: no memory from an earlier run of this folder
+        for stale in out.glob("memory-*.safetensors"):
+            stale.unlink()
     if results.envs and results.envs[0].cost:
         runner.adopt(CostModel.from_dict(results.envs[0].cost))
     results.start_session(environment(args.model, runner, drafters, args.lookup))

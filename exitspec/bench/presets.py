@@ -6,7 +6,7 @@
 | table3 | verifier-stage latency, predraw vs TEV, on realised trees (exitspec.bench.verifier)       |
 | table4 | drafters x verifiers {greedy (T = 0 only), predraw, sequential, tev} crossed, B = 32      |
 | table5 | budget sweep with tev: each drafter's chain (at B = 64), then trees of B = 8, 16, 32, 64  |
-| edit   | copy-heavy sets (humaneval-edit, gsm8k-rewrite) x temperature {0, 1}, tev, B = 32         |
+| edit   | copy-heavy sets (humaneval-edit, gsm8k-rewrite) x temperature {0, 1}, tev, --budget auto  |
 
 Every option given on the command line overrides the preset's value; a preset without datasets runs the
 four built-in benchmark sets (data.BUILTIN).
@@ -26,7 +26,7 @@ VERIFIER_LATENCY = "table3"  # runs exitspec.bench.verifier instead of the decod
 class Preset:
     temperatures: tuple[float, ...] = (0.0,)
     verifiers: tuple[str, ...] = ("tev",)
-    budgets: tuple[int, ...] = (32,)
+    budgets: tuple[int | str, ...] = (32,)
     chain: bool = False  # also each drafter's chain ("chain:D") at the largest budget
     datasets: tuple[str, ...] = BUILTIN
 
@@ -36,6 +36,6 @@ PRESETS = {
     VERIFIER_LATENCY: Preset(),
     "table4": Preset(temperatures=(0.0, 1.0), verifiers=("greedy", "predraw", "sequential", "tev")),
     "table5": Preset(temperatures=(0.0, 1.0), budgets=(8, 16, 32, 64), chain=True),
-    "edit": Preset(temperatures=(0.0, 1.0), datasets=EDITS),
+    "edit": Preset(temperatures=(0.0, 1.0), budgets=("auto",), datasets=EDITS),
 }
 CUSTOM = Preset()  # no --preset: greedy, tev, B = 32

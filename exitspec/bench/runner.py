@@ -280,7 +280,7 @@ class Runner:
         """One speculative run of `config`, with its SRs against `baseline` (a baseline row)."""
         decoder = self.decoders[config.drafter]
         settings = dict(gen, budget=config.budget, verifier=config.verifier, stop_tokens=self.stops)
-        self._warm_up(config, lambda g: decoder.generate(prompt_ids, **dict(settings, **g)), gen)
+        self._warm_up(config, lambda g: decoder.generate(prompt_ids, **dict(settings, **g), learn=False), gen)
         result = decoder.generate(prompt_ids, **settings)
         if baseline.ar.forward and result.forward_config != baseline.ar.forward:
             raise ValueError(f"{config.drafter} ran forward configuration {result.forward_config}, its baseline row "

@@ -9,13 +9,15 @@ from exitspec.drafters.chain import ChainDrafter, split_chain
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.lookup import LOOKUP_NAME, NgramTable
 from exitspec.drafters.ngram import NgramDrafter
+from exitspec.drafters.suffix import SuffixDrafter
 from exitspec.options import DRAFTER_HELP
 
 __all__ = [
     "DRAFTER_HELP", "SHIPPED", "SHIPPED_LOOKUP", "ChainDrafter", "DFlashDrafter", "Drafter", "NgramDrafter",
-    "NgramTable", "default_drafter", "drafter_folder", "load_drafter", "split_chain",
+    "NgramTable", "SuffixDrafter", "default_drafter", "drafter_folder", "load_drafter", "split_chain",
 ]
 
+TRAINING_FREE = ("ngram", "suffix")  # drafters without a checkpoint: prompt lookup, suffix trees
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # the DFlash drafters shipped for the default model (SmolLM2-135M-Instruct), by spec name:
 #   dflash     trained on 8626 target rollouts (chat, code, math; greedy and T = 1) with the kl (Draft-OPD) loss;
@@ -37,9 +39,10 @@ def default_drafter(model: str | Path | None) -> str:
 
 
 def drafter_folder(spec: str | Path) -> Path | None:
-    """The checkpoint folder a drafter spec names: None for 'ngram', the shipped one for a name in SHIPPED."""
+    """The checkpoint folder a drafter spec names: None for 'ngram' and 'suffix', the shipped one for a name in
+    SHIPPED."""
     spec, _ = split_chain(spec)
-    if spec == "ngram":
+    if spec in TRAINING_FREE:
         return None
     if str(spec) in SHIPPED:
         folder = SHIPPED[str(spec)]
@@ -49,7 +52,8 @@ def drafter_folder(spec: str | Path) -> Path | None:
     folder = Path(spec)
     if not folder.is_dir():
         raise ValueError(
-            f"unknown drafter {str(spec)!r}: use {', '.join(map(repr, SHIPPED))}, 'ngram' or a DFlash checkpoint folder"
+            f"unknown drafter {str(spec)!r}: use {', '.join(map(repr, SHIPPED))}, 'ngram', 'suffix' or a DFlash "
+            "checkpoint folder"
         )
     return folder
 
@@ -64,8 +68,9 @@ def load_drafter(spec: str | Path, target_hf_model, lookup: str | Path = "auto")
     folder = drafter_folder(spec)
     if folder is None:
         if str(lookup) not in ("auto", "none"):
-            raise ValueError("a lookup table adds to a DFlash drafter's trees; 'ngram' takes none")
-        drafter = NgramDrafter()
+            raise ValueError(f"a lookup table adds to a DFlash drafter's trees; {split_chain(spec)[0]!r} takes none")
+        vocab_size = target_hf_model.get_output_embeddings().weight.shape[0]
+        drafter = NgramDrafter() if split_chain(spec)[0] == "ngram" else SuffixDrafter(vocab_size)
     else:
         path = _lookup_path(split_chain(spec)[0], folder, lookup)
         vocab_size = target_hf_model.get_output_embeddings().weight.shape[0]

@@ -38,7 +38,7 @@ from exitspec.calibrate import (
 )
 from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel
 from exitspec.drafters.lookup import LookupProposal, NgramTable
-from exitspec.drafters.suffix import SuffixMemory, SuffixProposal, SuffixSource
+from exitspec.drafters.suffix import SOURCES, SuffixMemory, SuffixProposal, SuffixSource
 from exitspec.drafters.vocab import DraftHead
 from exitspec.tree import DraftTree
 
@@ -123,8 +123,7 @@ class DFlashDrafter:
         self.merge = SourceMerge({
             "model": (model_calibrator, lambda t: model_bins(t.scores)),
             "lookup": (lookup_calibrator, lookup_bins),
-            "request": (lookup_calibrator, lookup_bins),
-            "memory": (lookup_calibrator, lookup_bins),
+            **{name: (lookup_calibrator, lookup_bins) for name in SOURCES},  # the suffix trees'
         })
 
     @classmethod

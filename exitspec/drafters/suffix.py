@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import Tensor
 
+from exitspec.calibrate import SourceMerge, lookup_bins, lookup_calibrator
 from exitspec.tree import DraftTree
 
 MAX_MATCH = 64  # the longest context tail a suffix tree matches (its depth)
@@ -43,6 +45,7 @@ MIN_PROBABILITY = 0.1  # nodes whose frequency estimate q falls below this are n
 MEMORY_TOKENS = 1_000_000  # default bound on a memory's stored tokens
 MIN_ANSWER = 2  # shorter answers teach nothing
 MAX_NODES = 32  # a suffix tree's speculation holds at most this many nodes
+SOURCES = ("request", "memory")  # the candidate sources, each with its calibrator
 
 
 def _suffix_tree():
@@ -160,9 +163,11 @@ class SuffixSource:
         """Each tree's best-first speculation after the context's last tokens (MAX_NODES nodes at most)."""
         self._sync(context)
         tail = context[-MAX_MATCH:]
-        trees = {"request": self.request} | ({"memory": self.memory.tree} if self.memory is not None else {})
+        trees = dict(zip(SOURCES, (self.request, self.memory.tree if self.memory is not None else None)))
         drafts = {}
         for name, tree in trees.items():
+            if tree is None:
+                continue
             draft = tree.speculate(tail, MAX_NODES, SPEC_FACTOR, 0.0, MIN_PROBABILITY, True)
             if draft.token_ids:
                 drafts[name] = (list(draft.parents), list(draft.token_ids), list(draft.probs))
@@ -195,3 +200,47 @@ class SuffixSource:
         if len(context) > self.synced:
             self.request.extend(0, context[self.synced:])
             self.synced = len(context)
+
+
+class SuffixDrafter:
+    """The suffix trees alone as a drafter (training-free, like prompt lookup, for any target): their candidate
+    trees merged on the calibrated P(u) scale. It reads no target features."""
+
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, vocab_size: int):
+        self.source = SuffixSource(SuffixMemory(vocab_size))
+        self.merge = SourceMerge({name: (lookup_calibrator, lookup_bins) for name in SOURCES})
+
+    def calibrate_for(self, setting: Hashable) -> None:
+        self.merge.use(setting)
+
+    def identity(self) -> str:
+        return f"suffix(alpha={SPEC_FACTOR}, min_q={MIN_PROBABILITY}, nodes={MAX_NODES})"
+
+    def calibration_state(self) -> dict:
+        return self.merge.state(self.merge.setting)
+
+    def load_calibration(self, state: dict) -> None:
+        self.merge.load_state(self.merge.setting, state)
+
+    def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
+        self.source.begin(prompt_ids.tolist())
+
+    def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> SuffixProposal:
+        return self.source.propose(context_ids.tolist(), max_depth, context_ids.device)
+
+    def build(self, proposal: SuffixProposal, root_token: int, budget: int) -> DraftTree:
+        return self.merge.build(root_token, self.source.trees(proposal, root_token), budget, proposal.device)
+
+    def observe(self, tree: DraftTree, reach: Tensor) -> None:
+        self.merge.observe(tree, reach)
+
+    def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
+        pass
+
+    def learn(self, answer: list[int]) -> None:
+        self.source.learn(answer)
+
+    def memory(self) -> SuffixMemory:
+        return self.source.memory
