@@ -51,8 +51,7 @@ def measure(model=None, sizes=SIZES) -> dict:
         for end in range(2 * BLOCK, len(request), BLOCK):
             context = request[:end]
             start = time.perf_counter()
-            source.request.extend(0, context[source.synced :])
-            source.synced = end
+            source._sync(context)
             updates.append(time.perf_counter() - start)
             start = time.perf_counter()
             source.trees(source.propose(context, 16, "cpu"), context[-1])

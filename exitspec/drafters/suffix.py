@@ -152,7 +152,7 @@ class SuffixSource:
     def __init__(self, memory: SuffixMemory | None = None):
         self.memory = memory
         self.request = None  # the suffix tree of the current prompt + answer so far
-        self.synced = 0  # context tokens in `request`
+        self.synced = 0  # context tokens in `request`: all but the last (see _sync)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.request = _suffix_tree()
@@ -197,9 +197,13 @@ class SuffixSource:
         return out
 
     def _sync(self, context: list[int]) -> None:
-        if len(context) > self.synced:
-            self.request.extend(0, context[self.synced:])
-            self.synced = len(context)
+        """Extends the request tree to hold the context but its last token. The tail being matched then is not
+        in the tree itself: an occurrence at the very end, with nothing after it, would count in every match
+        and halve the estimate of a continuation seen once (q = 1/2 where it was always followed so)."""
+        end = len(context) - 1
+        if end > self.synced:
+            self.request.extend(0, context[self.synced : end])
+            self.synced = end
 
 
 class SuffixDrafter:
