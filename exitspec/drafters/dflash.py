@@ -39,6 +39,7 @@ from exitspec.calibrate import (
 from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel
 from exitspec.drafters.lookup import LookupProposal, NgramTable
 from exitspec.drafters.suffix import SOURCES, SuffixMemory, SuffixProposal, SuffixSource
+from exitspec.drafters.suffix import identity as suffix_identity
 from exitspec.drafters.vocab import DraftHead
 from exitspec.tree import DraftTree
 
@@ -146,7 +147,7 @@ class DFlashDrafter:
         self.merge.use(setting)
 
     def identity(self) -> str:
-        """'dflash:' and a digest of the config and weights, then the lookup table's digest and '+suffix' where those
+        """'dflash:' and a digest of the config and weights, then the lookup table's digest and the suffix trees' identity where those
         sources draft too. Computed once: the weights are frozen at inference."""
         if self._identity is None:
             digest = hashlib.sha256(json.dumps(self.model.config.to_dict(), sort_keys=True).encode())
@@ -154,7 +155,7 @@ class DFlashDrafter:
                 digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
                 digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
             lookup = "" if self.lookup is None else f"+lookup:{self.lookup.digest()}"
-            suffix = "" if self.suffix is None else "+suffix"
+            suffix = "" if self.suffix is None else f"+{suffix_identity()}"
             self._identity = f"dflash:{digest.hexdigest()[:16]}{lookup}{suffix}"
         return self._identity
 

@@ -46,6 +46,13 @@ MEMORY_TOKENS = 1_000_000  # default bound on a memory's stored tokens
 MIN_ANSWER = 2  # shorter answers teach nothing
 MAX_NODES = 32  # a suffix tree's speculation holds at most this many nodes
 SOURCES = ("request", "memory")  # the candidate sources, each with its calibrator
+VERSION = 2  # of how proposals are made (2: the request tree leaves out the context's last token)
+
+
+def identity() -> str:
+    """How the suffix trees propose, as one string: drafters' identities include it, so warm-start state learned
+    under other settings or an older version is not taken for this one's (warm.py)."""
+    return f"suffix{VERSION}(alpha={SPEC_FACTOR}, min_q={MIN_PROBABILITY}, nodes={MAX_NODES})"
 
 
 def _suffix_tree():
@@ -220,7 +227,7 @@ class SuffixDrafter:
         self.merge.use(setting)
 
     def identity(self) -> str:
-        return f"suffix(alpha={SPEC_FACTOR}, min_q={MIN_PROBABILITY}, nodes={MAX_NODES})"
+        return identity()
 
     def calibration_state(self) -> dict:
         return self.merge.state(self.merge.setting)
