@@ -22,6 +22,7 @@ def test_the_request_tree_proposes_what_followed_the_context_tail_best_first():
     proposal = source.propose(context, max_depth=3, device="cpu")
     tree = source.trees(proposal, root_token=2)["request"]
     assert tree.tokens[1] == 3 and tree.depth <= 3  # "1 2" was always followed by 3
+    assert tree.scores[1] == 1.0  # the tail's own occurrence at the end, with nothing after it, does not count
     assert list(tree.scores) == sorted(tree.scores, reverse=True)  # best first, so every head is a tree
     assert tree.scores[1] > max(tree.scores[2:])  # then 4 (twice) and 5 (once) split the mass
     children = {int(tree.tokens[u]) for u in tree.children[1]}

@@ -127,6 +127,7 @@ class SuffixMemory:
             {"tokens": torch.tensor(flat, dtype=torch.int32), "starts": torch.tensor(starts[:-1], dtype=torch.int64)},
             tmp, metadata={"vocab_size": str(self.vocab_size), "tokenizer": tokenizer},
         )
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
 
     def restore(self, path: str | Path, tokenizer: str) -> None:
