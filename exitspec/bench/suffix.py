@@ -9,6 +9,7 @@ request of the same kind of text, round after round as the decode loop drives it
     update   one round's block (3 tokens) appended to the request tree          (SuffixSource.propose's sync)
     lookup   both trees matched and speculated, and their candidate trees built  (propose + trees)
     learn    one finished answer appended to the memory, per token               (SuffixMemory.add)
+    memory   the memory's suffix tree, by its own estimate (SuffixTree.estimate_memory)
 
 Reported: median microseconds of each.
 """
@@ -60,15 +61,16 @@ def measure(model=None, sizes=SIZES) -> dict:
             "stored": memory.stored, "answers": len(memory.answers),
             "update_us": 1e6 * statistics.median(updates), "lookup_us": 1e6 * statistics.median(lookups),
             "learn_us_per_token": 1e6 * statistics.median(learn),
+            "memory_mib": memory.tree.estimate_memory() / 2**20,  # the C++ tree's own estimate
         })
     return {"model": model, "block": BLOCK, "rows": rows}
 
 
 def print_table(result: dict, console: Console) -> None:
     table = Table(title=f"Suffix drafting per round (blocks of {result['block']} tokens), median µs")
-    for column in ("stored tokens", "answers", "update", "lookup", "learn, per token"):
+    for column in ("stored tokens", "answers", "update", "lookup", "learn, per token", "memory MiB"):
         table.add_column(column, justify="right")
     for r in result["rows"]:
         table.add_row(f"{r['stored']:,}", f"{r['answers']:,}", f"{r['update_us']:.1f}", f"{r['lookup_us']:.1f}",
-                      f"{r['learn_us_per_token']:.2f}")
+                      f"{r['learn_us_per_token']:.2f}", f"{r['memory_mib']:.1f}")
     console.print(table)
