@@ -105,3 +105,17 @@ def test_a_decoder_learns_from_its_answers_and_stays_exact(temperature):
             assert first.tokens == again.tokens == plain.tokens == expected
         assert again.tau >= plain.tau  # its own earlier answer is in the memory now
     assert len(learner.drafter.memory().answers) == 4 and not forgetful.drafter.memory().answers
+
+
+@pytest.mark.slow
+def test_latency_reports_the_suffix_costs(tmp_path, capsys):
+    """`exitspec latency --stage suffix` on the default tokenizer and ShareGPT text: a row per memory size."""
+    import json
+
+    from exitspec.cli import main
+
+    assert main(["latency", "--stage", "suffix", "--sizes", "3000", "--json", str(tmp_path / "s.json")]) == 0
+    (row,) = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert 2000 < row["stored"] <= 3000 and row["answers"] > 1 and row["memory_mib"] > 0
+    assert 0 < row["update_us"] < row["lookup_us"] and row["learn_us_per_token"] > 0
+    assert "Suffix drafting per round" in capsys.readouterr().out

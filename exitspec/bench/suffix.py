@@ -40,9 +40,10 @@ def measure(model=None, sizes=SIZES) -> dict:
     request = [t for text in islice(texts, 40) for t in tokenizer.encode(text)][:REQUEST]
     rows = []
     for size in sizes:
-        memory, learn = SuffixMemory(vocab, max_tokens=size), []
-        while memory.stored < size:
+        memory, learn, added = SuffixMemory(vocab, max_tokens=size), [], 0
+        while added < size:  # until it is full: from there on, each answer evicts the oldest
             answer = tokenizer.encode(next(texts))
+            added += len(answer)
             start = time.perf_counter()
             memory.add(answer)
             learn.append((time.perf_counter() - start) / max(len(answer), 1))

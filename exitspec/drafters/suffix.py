@@ -42,7 +42,7 @@ from exitspec.tree import DraftTree
 MAX_MATCH = 64  # the longest context tail a suffix tree matches (its depth)
 SPEC_FACTOR = 4.0  # α: a tree holds at most α · (match length) nodes (SuffixDecoding's max_spec_factor)
 MIN_PROBABILITY = 0.1  # nodes whose frequency estimate q falls below this are not proposed
-MEMORY_TOKENS = 1_000_000  # default bound on a memory's stored tokens
+MEMORY_TOKENS = 250_000  # default bound on a memory's stored tokens: about 75 MiB of suffix tree (291 MiB at 1M)
 MIN_ANSWER = 2  # shorter answers teach nothing
 MAX_NODES = 32  # a suffix tree's speculation holds at most this many nodes
 SOURCES = ("request", "memory")  # the candidate sources, each with its calibrator
