@@ -97,6 +97,9 @@ def build_parser() -> Parser:
     lookup.add_argument("--width", type=integer(1, 64), default=4, help="next tokens kept per context (default 4)")
     lookup.add_argument("--min-count", type=integer(1), default=2,
                         help="keep contexts seen at least this often (default 2: once says little)")
+    lookup.add_argument("--memory", action="store_true",
+                        help="also add the responses to the target's suffix memory in exitspec's cache, which the "
+                             "suffix trees of later decoding draft from")
     curve = command(stages, "curve", "plot the held-out curve (τ, depth-1 top-1) of training runs against tokens",
                     [], "exitspec.train.curve:run", DEFAULTS)
     curve.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding log.jsonl")

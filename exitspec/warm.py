@@ -26,6 +26,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from transformers import PretrainedConfig
+
 from exitspec.budget import AutoBudget
 from exitspec.drafters import Drafter
 from exitspec.drafters.suffix import tokenizer_digest
@@ -42,7 +44,7 @@ def key(kind: str, target: TargetModel, drafter: Drafter, params: SamplingParams
     auto`'s rates, the cap."""
     fields = {
         "kind": kind,
-        "model": model_digest(target),
+        "model": model_digest(target.model.config),
         "drafter": drafter.identity(),
         "device": target.device.type,
         "dtype": str(target.model.dtype),
@@ -53,14 +55,14 @@ def key(kind: str, target: TargetModel, drafter: Drafter, params: SamplingParams
     return fields if cap is None else fields | {"cap": cap}
 
 
-def model_digest(target: TargetModel) -> str:
-    """16 hex digits of sha256 of the target's full config."""
-    return hashlib.sha256(target.model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+def model_digest(config: PretrainedConfig) -> str:
+    """16 hex digits of sha256 of a target's full config."""
+    return hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
 
 
-def memory_path(target: TargetModel) -> Path:
-    """The file of the target's suffix memory: cache_dir()/warm/suffix-<model_digest>.safetensors."""
-    return cache_dir() / "warm" / f"suffix-{model_digest(target)}.safetensors"
+def memory_path(config: PretrainedConfig) -> Path:
+    """The file of the suffix memory of the target with this config: cache_dir()/warm/suffix-<model_digest>.safetensors."""
+    return cache_dir() / "warm" / f"suffix-{model_digest(config)}.safetensors"
 
 
 def path(key: dict) -> Path:
@@ -101,7 +103,7 @@ class WarmStart:
 
     def __init__(self, target: TargetModel, drafter: Drafter):
         self.target, self.drafter = target, drafter
-        self.memory_file = memory_path(target)  # the suffix memory's file (bench --learn keeps its own)
+        self.memory_file = memory_path(target.model.config)  # the suffix memory's file (bench --learn keeps its own)
         self.read: set[Path] = set()  # the files read (or found missing) in this process
         self._tokenizer: str | None = None
 

@@ -111,6 +111,28 @@ def test_train_lookup_writes_the_table_of_a_rollout_folder(tmp_path, capsys):
     assert main([*args[:-2], "--out", str(out), "--orders", "0"]) == 2  # a bad option: one line, exit 2
 
 
+def test_train_lookup_seeds_the_suffix_memory(tmp_path, capsys):
+    """--memory: the rollouts' responses go into the target's suffix memory in the (test's) cache, added to what
+    it held."""
+    from exitspec.drafters.suffix import SuffixMemory
+    from exitspec.models import load_model_and_tokenizer
+    from exitspec.warm import memory_path
+
+    save_tiny_llama(tmp_path / "model", vocab_size=32)
+    rollouts = tmp_path / "rollouts"
+    rollouts.mkdir()
+    lines = [{"id": f"p{i}", "prompt_ids": [1, 2, 3], "response_ids": [4 + i, 5, 6, 7]} for i in range(3)]
+    (rollouts / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    args = ["train", "lookup", "--model", str(tmp_path / "model"), "--rollouts", str(rollouts),
+            "--out", str(tmp_path / "lookup.safetensors"), "--memory"]
+    assert main(args) == 0 and main(args) == 0  # twice: the second run adds to the first's
+    assert "the suffix memory holds 6 answers (24 tokens)" in capsys.readouterr().out
+    memory = SuffixMemory(32)
+    loaded, _ = load_model_and_tokenizer(tmp_path / "model")  # as a decoder of that folder loads it
+    memory.restore(memory_path(loaded.config), "none")  # a tiny model has no tokenizer
+    assert [a for _, a in memory.answers][:3] == [line["response_ids"] for line in lines]
+
+
 def test_a_lookup_path_needs_a_dflash_drafter(tmp_path):
     model = save_tiny_llama(tmp_path / "model", vocab_size=32)
     from exitspec.drafters import load_drafter

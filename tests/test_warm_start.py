@@ -190,7 +190,7 @@ def test_a_foreign_suffix_memory_warns_and_is_replaced(model, folder):
     decoder = new_decoder(model)
     foreign = SuffixMemory(VOCAB + 7)
     foreign.add([1, 2, 3, 4])
-    foreign.save(warm.memory_path(decoder.target), "none")
+    foreign.save(warm.memory_path(decoder.target.model.config), "none")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run(decoder, tokens=10)
@@ -198,5 +198,5 @@ def test_a_foreign_suffix_memory_warns_and_is_replaced(model, folder):
     assert message.startswith("ignoring a suffix memory")
     assert [len(a) for _, a in decoder.drafter.memory().answers] == [10]  # its own answer only
     fresh = SuffixMemory(VOCAB)
-    fresh.restore(warm.memory_path(decoder.target), "none")
+    fresh.restore(warm.memory_path(decoder.target.model.config), "none")
     assert [a for _, a in fresh.answers] == [a for _, a in decoder.drafter.memory().answers]

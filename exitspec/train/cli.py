@@ -8,6 +8,7 @@ exitspec train exit --weight exit --lam 1 --budget 32                   # plus Î
 torchrun --nproc_per_node 8 -m exitspec train exit --steps 2000         # the exit loss on 8 processes
 exitspec train eval --drafters dflash runs/exit/final --budgets 32 64    # held-out E[Ï„] = 1 + C_p, no decoding
 exitspec train lookup --rollouts runs/rollouts --out runs/dflash/final/lookup.safetensors  # corpus lookup
+exitspec train lookup --rollouts runs/rollouts --out lookup.safetensors --memory  # and seed the suffix memory
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from exitspec.app import (
 )
 from exitspec.drafters import NgramTable, drafter_folder, split_chain
 from exitspec.drafters.chain import drafter_label
+from exitspec.drafters.suffix import SuffixMemory, tokenizer_digest
 from exitspec.models import load_model_and_tokenizer, model_config, model_name
 from exitspec.paired import paired_cell
 from exitspec.train import dist
@@ -46,6 +48,7 @@ from exitspec.train.rollouts import (
     summarize_rollouts,
 )
 from exitspec.train.trainer import make_drafter, train
+from exitspec.warm import memory_path
 
 
 def run_train(args) -> int:
@@ -89,7 +92,23 @@ def run_lookup(args) -> int:
     tokens = sum(len(r.response_ids) for r in rollouts)
     print(f"wrote {args.out}: {len(table.entries)} contexts of 1-{args.orders} tokens from {len(rollouts)} "
           f"responses ({tokens} tokens)")
+    if args.memory:
+        seed_memory(args.model, [r.response_ids for r in rollouts])
     return 0
+
+
+def seed_memory(model, responses: list[list[int]]) -> None:
+    """Adds `responses` to the target's suffix memory in exitspec's cache (warm.py), where decoding's suffix trees
+    find them; the memory keeps its bound, so only the newest answers stay if there are more."""
+    hf_model, tokenizer = load_model_and_tokenizer(model)
+    memory = SuffixMemory(hf_model.get_output_embeddings().weight.shape[0])
+    path, digest = memory_path(hf_model.config), tokenizer_digest(tokenizer)
+    if path.is_file():
+        memory.restore(path, digest)
+    for response in responses:
+        memory.add(response)
+    memory.save(path, digest)
+    print(f"wrote {path}: the suffix memory holds {len(memory.answers)} answers ({memory.stored} tokens)")
 
 
 def run_eval_command(args) -> int:
