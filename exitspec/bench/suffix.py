@@ -53,7 +53,7 @@ def measure(model=None, sizes=SIZES) -> dict:
         for end in range(2 * BLOCK, len(request), BLOCK):
             context = request[:end]
             start = time.perf_counter()
-            source._sync(context)
+            source.sync(context)
             updates.append(time.perf_counter() - start)
             start = time.perf_counter()
             source.trees(source.propose(context, 16, "cpu"), context[-1])

@@ -6,7 +6,7 @@ Two suffix trees (arctic-inference's C++ `SuffixTree`, the one vLLM's `suffix` m
     request  the prompt and the answer so far, extended every round (`SuffixSource.propose` syncs it)
     memory   every finished answer of this target (`SuffixMemory`), bounded, persisted, learned from use
 
-For a context, each tree finds the longest match of its last tokens (up to `max_depth` of them) and grows a
+For a context, each tree finds the longest match of its last tokens (up to MAX_MATCH of them) and grows a
 speculation tree from the continuations seen after it, best first by their frequency estimate
 
     q(x_1..x_d) = Π_i c(match, x_<i, x_i) / c(match, x_<i)                (counts of what followed the match)
@@ -58,8 +58,8 @@ def identity() -> str:
 def _suffix_tree():
     try:
         from arctic_inference.suffix_decoding._C import SuffixTree
-    except ImportError as e:
-        raise RuntimeError(
+    except ImportError as e:  # a one-line user error (options.USER_ERRORS)
+        raise ModuleNotFoundError(
             f"suffix drafting needs arctic-inference's suffix tree ({e}); install it: pip install arctic-inference"
         ) from None
     return SuffixTree(MAX_MATCH)
@@ -160,22 +160,22 @@ class SuffixSource:
     def __init__(self, memory: SuffixMemory | None = None):
         self.memory = memory
         self.request = None  # the suffix tree of the current prompt + answer so far
-        self.synced = 0  # context tokens in `request`: all but the last (see _sync)
+        self.synced = 0  # context tokens in `request`: all but the last (see sync)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.request = _suffix_tree()
         self.synced = 0
-        self._sync(list(prompt_ids))
+        self.sync(list(prompt_ids))
 
     def propose(self, context: list[int], max_depth: int, device) -> SuffixProposal:
         """Each tree's best-first speculation after the context's last tokens (MAX_NODES nodes at most)."""
-        self._sync(context)
+        self.sync(context)
         tail = context[-MAX_MATCH:]
-        trees = dict(zip(SOURCES, (self.request, self.memory.tree if self.memory is not None else None)))
+        trees = {"request": self.request}
+        if self.memory is not None:
+            trees["memory"] = self.memory.tree
         drafts = {}
         for name, tree in trees.items():
-            if tree is None:
-                continue
             draft = tree.speculate(tail, MAX_NODES, SPEC_FACTOR, 0.0, MIN_PROBABILITY, True)
             if draft.token_ids:
                 drafts[name] = (list(draft.parents), list(draft.token_ids), list(draft.probs))
@@ -204,7 +204,7 @@ class SuffixSource:
             ).to(proposal.device)
         return out
 
-    def _sync(self, context: list[int]) -> None:
+    def sync(self, context: list[int]) -> None:
         """Extends the request tree to hold the context but its last token. The tail being matched then is not
         in the tree itself: an occurrence at the very end, with nothing after it, would count in every match
         and halve the estimate of a continuation seen once (q = 1/2 where it was always followed so)."""
