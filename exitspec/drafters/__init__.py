@@ -59,24 +59,25 @@ def drafter_folder(spec: str | Path) -> Path | None:
 
 
 def load_drafter(spec: str | Path, target_hf_model, lookup: str | Path = "auto") -> Drafter:
-    """A shipped drafter's name ('dflash', 'dflash-v1', 'exittrain'), 'ngram' (prompt lookup, training-free) or a DFlash
-    checkpoint folder for this target model; chain:SPEC for the best path of SPEC's trees.
+    """A shipped drafter's name ('dflash', 'dflash-v1', 'exittrain'), 'ngram' (prompt lookup) or 'suffix' (suffix
+    trees; both training-free), or a DFlash checkpoint folder for this target model; chain:SPEC for the best path
+    of SPEC's trees.
 
     `lookup`: the corpus-lookup table a DFlash drafter adds to its trees (lookup.py). "auto": the shipped one
     for a shipped drafter, else the checkpoint folder's `lookup.safetensors` if it has one; "none": no table;
     or a table's path."""
+    name, chained = split_chain(spec)
     folder = drafter_folder(spec)
+    vocab_size = target_hf_model.get_output_embeddings().weight.shape[0]
     if folder is None:
         if str(lookup) not in ("auto", "none"):
-            raise ValueError(f"a lookup table adds to a DFlash drafter's trees; {split_chain(spec)[0]!r} takes none")
-        vocab_size = target_hf_model.get_output_embeddings().weight.shape[0]
-        drafter = NgramDrafter() if split_chain(spec)[0] == "ngram" else SuffixDrafter(vocab_size)
+            raise ValueError(f"a lookup table adds to a DFlash drafter's trees; {name!r} takes none")
+        drafter = NgramDrafter() if name == "ngram" else SuffixDrafter(vocab_size)
     else:
-        path = _lookup_path(split_chain(spec)[0], folder, lookup)
-        vocab_size = target_hf_model.get_output_embeddings().weight.shape[0]
+        path = _lookup_path(name, folder, lookup)
         table = NgramTable.load(path, vocab_size) if path is not None else None
         drafter = DFlashDrafter.from_pretrained(folder, target_hf_model, lookup=table)
-    return ChainDrafter(drafter) if split_chain(spec)[1] else drafter
+    return ChainDrafter(drafter) if chained else drafter
 
 
 def _lookup_path(spec: str, folder: Path, lookup: str | Path) -> Path | None:
