@@ -49,10 +49,11 @@ def build_ddtree(log_marginals: Tensor, root_token: int, budget: int, top_k: int
     horizon, vocab_size = log_marginals.shape
     k = min(top_k or budget, vocab_size)
     logp = torch.log_softmax(log_marginals.float(), dim=-1)  # [H, V]
-    top_logp, top_tokens = (t.cpu() for t in logp.topk(k, dim=-1))  # [H, k] each, sorted descending
-    if bool(top_logp.isnan().any()):  # a NaN or +inf entry, or an all -inf row, poisons its whole row
+    top_logp, top_tokens = logp.topk(k, dim=-1)  # [H, k] each, sorted descending
+    # one transfer to the host (token ids below 2^53 are exact in float64)
+    step_logp, step_tokens = torch.stack([top_logp.double(), top_tokens.double()]).tolist()  # [H][k] each
+    if any(math.isnan(row[0]) for row in step_logp):  # a NaN or +inf entry, or an all -inf row, poisons its row
         raise ValueError("log_marginals must not contain NaN or +inf, and every row needs a finite entry")
-    step_logp, step_tokens = top_logp.tolist(), top_tokens.tolist()
 
     parents, tokens, depths, scores = [-1], [int(root_token)], [0], [0.0]
     push_order = itertools.count()
@@ -65,7 +66,7 @@ def build_ddtree(log_marginals: Tensor, root_token: int, budget: int, top_k: int
             break
         node = len(parents)
         parents.append(parent)
-        tokens.append(step_tokens[d - 1][rank])
+        tokens.append(int(step_tokens[d - 1][rank]))
         depths.append(d)
         scores.append(score)
         if rank + 1 < k:  # next sibling: (r_1..r_{d-1}, r_d + 1)
@@ -180,10 +181,10 @@ def merge_best_first(
     index: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
     parents, tokens, depths, estimates, origins = [-1], [int(root_token)], [0], [1.0], [[]]
     for s, (tree, node_estimates) in enumerate(sources):
-        if int(tree.tokens[0]) != int(root_token):
-            raise ValueError(f"source {s} is rooted at token {int(tree.tokens[0])}, not {root_token}")
+        if tree.token_list[0] != int(root_token):
+            raise ValueError(f"source {s} is rooted at token {tree.token_list[0]}, not {root_token}")
         merged = [0] * tree.size  # source node -> merged node
-        for u, (p, tok) in enumerate(zip(tree.parent_list[1:], tree.tokens[1:].tolist()), start=1):
+        for u, (p, tok) in enumerate(zip(tree.parent_list[1:], tree.token_list[1:]), start=1):
             key = (merged[p], tok)
             if key not in index:
                 index[key] = len(parents)
@@ -204,9 +205,5 @@ def merge_best_first(
 
 
 def _validated_tree(parents: list[int], tokens: list[int], depths: list[int], device, scores=None) -> DraftTree:
-    """The tree, validated on the CPU as it is made, then moved to `device` in one copy per tensor."""
-    tree = DraftTree(
-        *(torch.tensor(x, dtype=torch.long) for x in (parents, tokens, depths)),
-        None if scores is None else tuple(scores),
-    )
-    return tree.to(device)
+    """The tree, validated on the host as it is made, then copied to `device` once per field (DraftTree.from_lists)."""
+    return DraftTree.from_lists(parents, tokens, depths, scores, device)

@@ -111,7 +111,7 @@ def lookup_calibrator() -> Calibrator:
 
 def lookup_bins(tree: DraftTree) -> list[int]:
     """Bins of a lookup tree's nodes (its `scores` are prefix probabilities q): row depth, column q."""
-    return [(min(d, COPY_DEPTHS) - 1) * MODEL_BINS + b for d, b in zip(tree.depths.tolist(), model_bins(tree.scores))]
+    return [(min(d, COPY_DEPTHS) - 1) * MODEL_BINS + b for d, b in zip(tree.lists[2], model_bins(tree.scores))]
 
 
 def copy_calibrator() -> Calibrator:
@@ -124,7 +124,7 @@ def copy_calibrator() -> Calibrator:
 
 def copy_bins(tree: DraftTree) -> list[int]:
     """Bins of a trie tree's nodes (its `scores` are shares of agreeing matches): row share, column depth."""
-    depths = tree.depths.tolist()
+    depths = tree.lists[2]
     return [
         min(int(share * COPY_SHARES), COPY_SHARES - 1) * COPY_DEPTHS + min(d, COPY_DEPTHS) - 1
         for share, d in zip(tree.scores, depths)
@@ -187,11 +187,10 @@ class SourceMerge:
         self._origins = [[(names[s], bins[s][u]) for s, u in node] for node in origins]
         return tree
 
-    def observe(self, tree: DraftTree, reach: Tensor) -> None:
+    def observe(self, tree: DraftTree, reach: Sequence[float]) -> None:
         """Feeds the realised P(u) of the last built tree's nodes (reach [N+1], NaN where the target did not
         reveal it: flow.observed_reach)."""
-        values = reach.tolist()
         for u in range(1, min(tree.size, len(self._origins))):
-            if not math.isnan(values[u]):
+            if not math.isnan(reach[u]):
                 for name, b in self._origins[u]:
-                    self.calibrators[name].observe([b], [values[u]])
+                    self.calibrators[name].observe([b], [reach[u]])

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from exitspec.flow import residual_probs, tree_flow
-from exitspec.sampling import SamplingParams, target_probs
+from exitspec.sampling import SamplingParams, WarpedRows, target_probs
 from exitspec.tree import DraftTree
-from exitspec.verify import Verdict
+from exitspec.verify import Decision
 
 
 def random_tree(gen: torch.Generator, vocab: int, max_depth: int = 5, max_branch: int = 4, max_nodes: int = 40):
@@ -50,13 +50,15 @@ def exact_joint_law(tree: DraftTree, probs: Tensor) -> Tensor:
     return tree_flow(tree, probs).exit[:, None] * residual_probs(tree, probs)
 
 
-def sample_verdicts(decide: Callable[..., Verdict], tree: DraftTree, probs: Tensor, seed: int, draws: int):
-    """Runs a verifier `draws` times → counts [N+1, V] of (exit node, bonus) and output lengths [draws]."""
+def sample_verdicts(decide: Callable[..., Decision], tree: DraftTree, probs: Tensor, seed: int, draws: int):
+    """Runs a verifier (verify.DECIDERS) `draws` times on the target distribution probs [N+1, V] → counts
+    [N+1, V] of (exit node, bonus) and output lengths [draws]."""
     gen = torch.Generator(device=probs.device).manual_seed(seed)
+    rows = WarpedRows.of_probs(probs)
     counts = torch.zeros(tree.size, probs.shape[-1], dtype=torch.float64)
     lengths = torch.zeros(draws, dtype=torch.float64)
     for i in range(draws):
-        verdict = decide(tree, probs, gen)
+        verdict = decide(tree, rows, gen).read(tree, rows, gen)
         counts[verdict.exit_node, verdict.bonus] += 1
         lengths[i] = len(verdict.path) + 1
     return counts, lengths
@@ -101,7 +103,7 @@ class LawCheck:
 
 def check_law(
     name: str,
-    decide: Callable[..., Verdict],
+    decide: Callable[..., Decision],
     tree: DraftTree,
     probs: Tensor,
     params: SamplingParams,

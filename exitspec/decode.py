@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,34 +25,53 @@ from torch import Tensor
 
 from exitspec.budget import DENSE, AutoBudget, CostModel, calibrate
 from exitspec.drafters import Drafter, default_drafter
-from exitspec.flow import observed_reach, parent_row_flow, tree_flow
+from exitspec.flow import frontier, observed_reach
 from exitspec.options import budget_cap, parse_budget
 from exitspec.sampling import SamplingParams, WarpedRows
 from exitspec.target import TargetModel, synchronize
 from exitspec.tree import DraftTree
-from exitspec.verify import DECIDERS, Verdict, check_verifier, decide_tev_rows
+from exitspec.verify import DECIDERS, Decision, Verdict, check_verifier
 from exitspec.warm import WarmStart
 
 STAGES = ("draft", "build", "target", "verify", "commit")
 Prompt = str | Sequence[dict] | Sequence[int] | Tensor
 
 
-class StageTimer:
-    """Wall-clock seconds per stage; synchronises the device so that GPU time lands in the right stage."""
+STAGE: ContextVar[str | None] = ContextVar("exitspec_stage", default=None)  # the stage running now (bench/rounds.py)
 
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
+
+class StageTimer:
+    """Wall-clock seconds per stage, without a device sync of its own (a sync drains a GPU's queue).
+
+    Each half of a round ends in a host read that waits for the device anyway: the draft half (draft + build)
+    in the drafter's one transfer of its candidates, the target half (target + verify + commit) in the
+    verdict's. So on a GPU the halves' sums, which `--budget auto` weighs, are right; within a half the
+    device time lands in the stage that waits for it."""
+
+    def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
         self.last: dict[str, float] = defaultdict(float)  # each stage's latest interval
 
     @contextmanager
     def __call__(self, stage: str):
-        synchronize(self.device)
+        token = STAGE.set(stage)
         start = time.perf_counter()
-        yield
-        synchronize(self.device)
-        self.last[stage] = time.perf_counter() - start
-        self.seconds[stage] += self.last[stage]
+        try:
+            yield
+        finally:
+            self.last[stage] = time.perf_counter() - start
+            self.seconds[stage] += self.last[stage]
+            STAGE.reset(token)
+
+    @contextmanager
+    def round(self):
+        """One round's bookkeeping between the stages (stats, `auto`'s record, the drafter's observe): stage "loop"."""
+        self.last.clear()
+        token = STAGE.set("loop")
+        try:
+            yield
+        finally:
+            STAGE.reset(token)
 
 
 @dataclass
@@ -282,88 +302,115 @@ class SpeculativeDecoder:
         budget = parse_budget(budget)
         cap = budget_cap(budget)
         auto = self.auto_budget(cap, params) if isinstance(budget, str) and cap > 0 else None  # measured before timing
-        target, drafter = self.target, self.drafter
-        drafter.calibrate_for(params)
+        rules = _Rules(params, verifier, cap, auto, torch.Generator(device=self.target.device).manual_seed(seed))
+        self.drafter.calibrate_for(params)
         if self.warm_start:
             self._warm.load(params, auto, self.learn)  # once per settings in this process (warm.py)
-        run, prompt_ids, timer, start = _start_run(target, prompt, max_new_tokens, stop_tokens, stream, chat)
-
-        features = target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
-        drafter.begin(torch.tensor(prompt_ids, device=target.device), features)
+        run, prompt_ids, timer, start = _start_run(self.target, prompt, max_new_tokens, stop_tokens, stream, chat)
+        features = self.target.prefill(torch.tensor(prompt_ids[:-1], device=self.target.device))
+        self.drafter.begin(torch.tensor(prompt_ids, device=self.target.device), features)
         prefill_seconds = time.perf_counter() - start
-        context_ids = torch.empty(target.max_context, dtype=torch.long, device=target.device)  # [C], filled as it grows
-        context_ids[: len(prompt_ids)] = torch.tensor(prompt_ids)
-        length, root = len(prompt_ids), prompt_ids[-1]  # of the context so far, and its last token
-        generator = torch.Generator(device=target.device).manual_seed(seed)
-        rounds: list[RoundStats] = []
+        context, rounds = list(prompt_ids), []  # the token ids so far, on the host; its last one roots the next tree
         while not run.done:
-            room = target.max_context - target.cache_len - 1  # positions left after the root
-            if room <= 0:
-                run.stopped_by = "context"
+            with timer.round():
+                stats = self._round(run, context, rules, timer, on_round)
+            if stats is None:
                 break
-            max_depth = min(run.max_new_tokens - len(run.tokens) - 1, room - 1)
-            cheap = auto is not None and auto.cheap_round()
-            timer.last.clear()
-            if cap > 0 and max_depth > 0:
-                with timer("draft"):
-                    proposal = drafter.propose(context_ids[:length], max_depth, cheap=cheap)
-                with timer("build"):
-                    tree = drafter.build(proposal, root, cap)
-                    if tree.num_nodes > cap or tree.depth > max_depth or int(tree.tokens[0]) != root:
-                        raise RuntimeError(
-                            f"drafter returned a tree of {tree.num_nodes} nodes, depth {tree.depth}, root "
-                            f"{int(tree.tokens[0])}; expected at most {cap} nodes, depth {max_depth}, root {root}"
-                        )
-                    drafted = tree  # [M+1] before --budget auto keeps its head
-                    if auto is not None:
-                        tree = auto.choose(tree, cheap)
-            else:
-                tree = drafted = DraftTree.root_only(root, device=target.device)
-            with timer("target"):
-                forward = target.forward_tree(tree)
-            with timer("verify"):
-                rows = WarpedRows(forward.logits, params)  # the target distribution, warped as rows are read
-                if tree.num_nodes and verifier == "tev":  # reads the parents' rows and the exit node's
-                    flow = parent_row_flow(tree, rows)  # P, rho, w (Eqs. 1–5) of the tree just verified
-                    verdict = decide_tev_rows(tree, rows, generator, flow)
-                elif tree.num_nodes:
-                    probs = rows.all()  # [N+1, V]
-                    flow = tree_flow(tree, probs, check=False)
-                    verdict = DECIDERS[verifier](tree, probs, generator, flow)
-                else:  # a root alone: every saturated verifier exits there (w = 1) and draws from p_root
-                    flow, verdict = None, Verdict([], rows.draw(0, generator))
-            with timer("commit"):
-                target.commit(tree, verdict.path)
-                kept = [0, *verdict.path]
-                if kept == list(range(len(kept))):  # the root and a chain prefix: a view, not a gather
-                    kept = slice(len(kept))
-                committed = forward.features[kept] if forward.features is not None else None
-                drafter.commit(tree.tokens[kept], committed)
-            coverage = 0.0 if flow is None else float(flow.coverage)
-            if drafted.num_nodes:
-                reach = flow.reach if flow is not None else torch.ones(1, device=target.device)  # [N+1]
-                drafter.observe(drafted, observed_reach(drafted, tree.size, reach, rows))
-            if auto is not None:
-                stage = timer.last
-                auto.record(cheap, tree.num_nodes, stage["draft"] + stage["build"],
-                            stage["target"] + stage["verify"] + stage["commit"], coverage)
-            block = verdict.output_tokens(tree)
-            emitted = run.emit(block)
-            context_ids[length : length + len(block)] = torch.tensor(block)
-            length, root = length + len(block), block[-1]
-            rounds.append(RoundStats(tree.num_nodes, len(verdict.path), emitted, coverage))
-            if on_round is not None:
-                on_round(RoundTrace(tree, rows.all(), verdict, emitted))
+            rounds.append(stats)
             if max_rounds is not None and len(rounds) >= max_rounds and not run.done:
                 run.stopped_by = "max_rounds"
                 break
-        result = _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
+        result = _finish_run(self.target, run, prompt_ids, rounds, timer, prefill_seconds, start)
         learned = self.learn and learn
         if learned:
-            drafter.learn(run.tokens)
+            self.drafter.learn(run.tokens)
         if self.warm_start:
             self._warm.save(params, auto, learned)  # the memory file is written only when this run added to it
         return result
+
+    def _round(self, run: _Run, context: list[int], rules: _Rules, timer: StageTimer, on_round) -> RoundStats | None:
+        """One round: draft and build a tree, one target forward over it, verify, commit. None when the context
+        is full. The device is read once, after the verifier (`_read`); with TEV and greedy nothing else is."""
+        target, drafter, auto = self.target, self.drafter, rules.auto
+        room = target.max_context - target.cache_len - 1  # positions left after the root
+        if room <= 0:
+            run.stopped_by = "context"
+            return None
+        cheap = auto is not None and auto.cheap_round()
+        drafted, tree = self._draft(context, min(run.max_new_tokens - len(run.tokens) - 1, room - 1), cheap, rules,
+                                    timer)
+        with timer("target"):
+            forward = target.forward_tree(tree, check=False)  # screened in `_read`
+        with timer("verify"):
+            rows = WarpedRows(forward.logits, rules.params, check=False)  # p_v, warped where a verifier reads it
+            decision = DECIDERS[rules.verifier](tree, rows, rules.generator)
+            verdict, coverage, reach = _read(target, forward, tree, drafted, rows, decision, rules.generator)
+        with timer("commit"):
+            target.commit(tree, verdict.path)
+            kept = [0, *verdict.path]
+            if kept == list(range(len(kept))):  # the root and a chain prefix: a view, not a gather
+                kept = slice(len(kept))
+            drafter.commit(tree.tokens[kept], forward.features[kept] if forward.features is not None else None)
+        if drafted.num_nodes:
+            drafter.observe(drafted, reach)
+        if auto is not None:
+            stage = timer.last
+            auto.record(cheap, tree.num_nodes, stage["draft"] + stage["build"],
+                        stage["target"] + stage["verify"] + stage["commit"], coverage)
+        block = verdict.output_tokens(tree)
+        emitted = run.emit(block)
+        context.extend(block)
+        if on_round is not None:
+            on_round(RoundTrace(tree, rows.all(), verdict, emitted))
+        return RoundStats(tree.num_nodes, len(verdict.path), emitted, coverage)
+
+    def _draft(self, context: list[int], max_depth: int, cheap: bool, rules: _Rules, timer: StageTimer):
+        """(the tree the drafter built, the head of it that this round verifies, on the target's device)."""
+        root, cap, device = context[-1], rules.cap, self.target.device
+        if cap == 0 or max_depth <= 0:
+            tree = DraftTree.root_only(root, device)
+            return tree, tree
+        with timer("draft"):
+            proposal = self.drafter.propose(context, max_depth, cheap=cheap)
+        with timer("build"):
+            drafted = self.drafter.build(proposal, root, cap)
+            if drafted.num_nodes > cap or drafted.depth > max_depth or drafted.token_list[0] != root:
+                raise RuntimeError(
+                    f"drafter returned a tree of {drafted.num_nodes} nodes, depth {drafted.depth}, root "
+                    f"{drafted.token_list[0]}; expected at most {cap} nodes, depth {max_depth}, root {root}"
+                )
+            tree = rules.auto.choose(drafted, cheap) if rules.auto is not None else drafted  # its best head
+        return drafted, tree.to(device)
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """What a generate call fixes for all its rounds."""
+
+    params: SamplingParams
+    verifier: str
+    cap: int  # at most this many draft tokens a tree
+    auto: AutoBudget | None  # `--budget auto`'s choices, or None for a fixed budget
+    generator: torch.Generator
+
+
+def _read(target: TargetModel, forward, tree: DraftTree, drafted: DraftTree, rows: WarpedRows, decision: Decision,
+          generator) -> tuple[Verdict, float, list[float]]:
+    """The round's one host read: the exit node and bonus, whether the logits are finite, C_p (Eq. 5), and the
+    realised P(u) of the drafted tree's nodes as far as this forward shows them (flow.observed_reach), which
+    the drafter's calibration learns from. Non-finite logits roll the cache back and raise."""
+    cut = frontier(drafted, tree.size)  # nodes `auto` dropped whose parent it kept: their edges are observed too
+    parents, tokens = drafted.parent_list, drafted.token_list
+    frontier_edges = rows.edges([parents[u] for u in cut], [tokens[u] for u in cut])  # [F]
+    finite = torch.isfinite(forward.logits.sum(dim=-1)).all()  # a NaN or ±inf logit makes its row's sum non-finite
+    flow = decision.flow
+    numbers = torch.cat([*decision.scalars(), finite.view(1), flow.coverage.view(1), flow.reach, frontier_edges])
+    numbers = numbers.tolist()  # float32 (the flow's dtype): token ids below 2^24 are exact
+    (node, bonus, drawable, ok, coverage), numbers = numbers[:5], numbers[5:]
+    if not ok:
+        target.reject(forward.logits, "node")
+    verdict = decision.verdict(tree, rows, generator, int(node), int(bonus), bool(drawable))
+    return verdict, coverage, observed_reach(drafted, tree.size, numbers[: tree.size], numbers[tree.size :])
 
 
 def generate_autoregressive(
@@ -413,10 +460,11 @@ def _start_run(target: TargetModel, prompt, max_new_tokens, stop_tokens, stream,
     stops = default_stop_tokens(target) if stop_tokens is None else {int(t) for t in stop_tokens}
     text_stream = TextStream(target.tokenizer, stream) if stream and target.tokenizer is not None else None
     target.reset()
-    return _Run(max_new_tokens, stops, text_stream), prompt_ids, StageTimer(target.device), start
+    return _Run(max_new_tokens, stops, text_stream), prompt_ids, StageTimer(), start
 
 
 def _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start) -> GenerationResult:
+    synchronize(target.device)  # the last round's commit may still be queued
     total = time.perf_counter() - start
     text = target.tokenizer.decode(run.tokens, skip_special_tokens=True) if target.tokenizer is not None else None
     return GenerationResult(

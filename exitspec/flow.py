@@ -49,50 +49,45 @@ def tree_flow(tree: DraftTree | TreeBatch, probs: Tensor, check: bool = True) ->
     return edge_flow(tree, edge)
 
 
-def parent_row_flow(tree: DraftTree, rows: WarpedRows) -> TreeFlow:
+def row_flow(tree: DraftTree, rows: WarpedRows) -> TreeFlow:
     """tree_flow of one tree from its parent nodes' rows only (WarpedRows.edges): a leaf's row is never read.
-
-    The decode loop's path. Eqs. 2–5 run as one pass over the nodes in Python floats (a parent precedes its
-    children): for a tree of a few dozen nodes that is cheaper than edge_flow's dozen tensor ops."""
-    parents = tree.parent_list
-    edge = [1.0, *rows.edges(tree.parents[1:], tree.tokens[1:]).tolist()]  # Eq. 1
-    reach, child_mass = [1.0] * tree.size, [0.0] * tree.size
-    for u in range(1, tree.size):
-        reach[u] = reach[parents[u]] * edge[u]  # Eq. 2
-        child_mass[parents[u]] += edge[u]
-    rho = [max(1.0 - c, 0.0) for c in child_mass]  # Eq. 3
-    exit_mass = [r * h for r, h in zip(reach, rho)]  # Eq. 4
-    device = tree.parents.device
-    return TreeFlow(*(torch.tensor(x, device=device) for x in (edge, reach, child_mass, rho, exit_mass)),
-                    torch.tensor(sum(reach[1:]), device=device))  # Eq. 5
+    The decode loop's path; the edges' indices come from the tree's host lists, so nothing is read back."""
+    edge = rows.edges(tree.parent_list[1:], tree.token_list[1:])  # [N] Eq. 1
+    return edge_flow(tree, torch.cat([edge.new_ones(1), edge]))
 
 
 def edge_flow(tree: DraftTree | TreeBatch, edge: Tensor) -> TreeFlow:
     """The exit law (Eqs. 2–5) from the edge probabilities edge [..., M] = p_parent(u)(x_u) (root: any)."""
     parent_idx = tree.parents.clamp(min=0)  # [..., M]
-    edge = edge.index_fill(-1, torch.zeros(1, dtype=torch.long, device=edge.device), 1.0) * tree.valid
+    padded = isinstance(tree, TreeBatch)  # a single tree has no padding to zero
+    edge = edge.index_fill(-1, torch.zeros(1, dtype=torch.long, device=edge.device), 1.0)
+    edge = edge * tree.valid if padded else edge
     reach = torch.where(tree.ancestors, edge.unsqueeze(-2), 1.0).prod(dim=-1)  # [..., M] Eq. 2
     child_mass = torch.zeros_like(edge).scatter_add_(-1, parent_idx[..., 1:], edge[..., 1:])  # [..., M]
-    rho = (1.0 - child_mass).clamp(min=0.0) * tree.valid  # Eq. 3
+    rho = (1.0 - child_mass).clamp(min=0.0)  # Eq. 3
+    rho = rho * tree.valid if padded else rho
     return TreeFlow(edge, reach, child_mass, rho, reach * rho, reach[..., 1:].sum(dim=-1))
 
 
-def observed_reach(tree: DraftTree, kept: int, reach: Tensor, rows: WarpedRows) -> Tensor:
-    """P(u) [M+1] of a drafted tree's nodes as far as the target forward over its head of `kept` nodes shows them.
+def frontier(tree: DraftTree, kept: int) -> list[int]:
+    """The nodes that a cut to the head of `kept` nodes dropped but whose parent it kept (`--budget auto`'s cut)."""
+    parents = tree.parent_list
+    return [u for u in range(kept, tree.size) if parents[u] < kept]
 
-    reach [kept] is the head's realised P (Eq. 2); a node cut from the head whose parent was kept gets
-    P(parent) · p_parent(x_u) (Eqs. 1–2) from the parent's row; deeper cut nodes stay NaN (unobserved). The
-    frontier is where `--budget auto` decides whether one more node pays, so its calibration learns there even
-    from rounds that kept no node (kept = 1, reach = [1]).
+
+def observed_reach(tree: DraftTree, kept: int, reach: list[float], frontier_edges: list[float]) -> list[float]:
+    """P(u) of a drafted tree's M+1 nodes as far as the target forward over its head of `kept` nodes shows them.
+
+    reach [kept] is the head's realised P (Eq. 2); a `frontier` node u gets P(parent) · p_parent(x_u)
+    (Eqs. 1–2), its edge read from the parent's row (frontier_edges, in frontier order); deeper cut nodes stay
+    NaN (unobserved). The frontier is where `--budget auto` decides whether one more node pays, so its
+    calibration learns there even from rounds that kept no node (kept = 1, reach = [1]).
     """
     parents = tree.parent_list
-    out = reach.tolist() + [float("nan")] * (tree.size - kept)  # [M+1]
-    frontier = [u for u in range(kept, tree.size) if parents[u] < kept]  # cut nodes with a kept parent
-    if frontier:
-        edge = rows.edges(tree.parents[frontier], tree.tokens[frontier]).tolist()  # Eq. 1
-        for u, p_edge in zip(frontier, edge):
-            out[u] = out[parents[u]] * p_edge  # Eq. 2
-    return torch.tensor(out, device=reach.device)
+    out = list(reach) + [float("nan")] * (tree.size - kept)  # [M+1]
+    for u, p_edge in zip(frontier(tree, kept), frontier_edges, strict=True):
+        out[u] = out[parents[u]] * p_edge  # Eq. 2
+    return out
 
 
 def check_probs(tree: DraftTree | TreeBatch, probs: Tensor, tolerance: float = 1e-3) -> None:

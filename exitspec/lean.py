@@ -164,10 +164,16 @@ class LeanLayer:
         return [self.qkv_weight, self.o_proj.weight, self.gate_up_weight, self.down_proj.weight]
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' RMSNorm: x · rsqrt(mean(x²) + eps) with fp32 statistics, then the weight in x's dtype. One
+    fused op where x and the weight are fp32 (the same numbers, bit for bit)."""
+    if x.dtype == weight.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * weight
+
+
 def _rms(norm: nn.Module, x: Tensor) -> Tensor:
-    """transformers' RMSNorm (fp32 statistics, weight applied in the input dtype)."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * norm.weight
+    return rms_norm(x, norm.weight, getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

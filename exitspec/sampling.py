@@ -8,7 +8,6 @@ the target's greedy output token for token.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,12 +51,14 @@ def check_logits(logits: Tensor) -> None:
         )
 
 
-def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """[..., V] logits → [..., V] float32 target probabilities after temperature, top-k and top-p."""
-    check_logits(logits)
+def target_probs(logits: Tensor, params: SamplingParams, check: bool = True) -> Tensor:
+    """[..., V] logits → [..., V] float32 target probabilities after temperature, top-k and top-p. `check`
+    screens the logits first (check_logits: a host read), for callers that have not."""
+    if check:
+        check_logits(logits)
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)  # one_hot reads on the host
     scaled = logits / params.temperature
     if 0 < params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -110,20 +111,6 @@ def sample_rows(probs: Tensor, generator: torch.Generator | None = None) -> Tens
     return sample_cdf(torch.cumsum(probs, dim=-1), generator)
 
 
-def sample_list(weights: list[float], generator: torch.Generator | None = None) -> int:
-    """sample_rows for one row of a few dozen weights held in a Python list (a tree's exit masses), where the
-    loop costs less than a tensor's cumulative sum and search; never an index of zero weight."""
-    device = generator.device if generator is not None else None
-    u = float(torch.rand(1, generator=generator, device=device)) * sum(weights)
-    last = 0
-    for i, w in enumerate(weights):
-        if w > 0:
-            last, u = i, u - w
-            if u < 0:
-                return i
-    return last
-
-
 def sample_cdf(cdf: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """sample_rows from the cumulative sums cdf [..., V] of unnormalised weights → [...] int64."""
     total = cdf[..., -1:].contiguous()  # [..., 1]
@@ -134,88 +121,72 @@ def sample_cdf(cdf: Tensor, generator: torch.Generator | None = None) -> Tensor:
 
 
 class WarpedRows:
-    """The target distribution of a tree's nodes (target_probs of logits [N+1, V]), warped row by row when a
-    verifier first reads a row, and kept. TEV reads only the rows of nodes with children (for the edge
-    probabilities) and the exit node's row (for its residual): on a 32-node tree that is about half the rows,
-    so half the warp, which is most of the verify stage."""
+    """The target distribution at a tree's nodes (target_probs of logits [N+1, V]), warped only where a verifier
+    reads it, on the logits' device, with no host read. TEV reads the rows of nodes with children (for the edge
+    probabilities, Eq. 1) and the exit node's row (for its residual): on a 32-node tree about half the rows.
 
-    def __init__(self, logits: Tensor, params: SamplingParams):
+    `check` screens the logits first (check_logits, one host read); the decode loop skips it and folds the same
+    screen into its round's one transfer (decode.py)."""
+
+    def __init__(self, logits: Tensor, params: SamplingParams, check: bool = True):
+        if check:
+            check_logits(logits)
         self.logits, self.params = logits, params  # [N+1, V]
         self.plain = not (params.greedy or params.top_k or params.top_p < 1.0)  # temperature alone: p = softmax(l/T)
-        self._rows: dict[int, Tensor] = {}
-        self._log_norm: dict[int, float] = {}  # plain rows whose logsumexp(l/T) `edges` computed
         self._all: Tensor | None = None
 
-    def rows(self, nodes: Sequence[int]) -> Tensor:
-        """[len(nodes), V] float32: the warped rows of `nodes`, each warped once."""
-        missing = [v for v in dict.fromkeys(nodes) if v not in self._rows]
-        if missing:
-            self._rows.update(zip(missing, target_probs(self.logits[missing], self.params), strict=True))
-        return torch.stack([self._rows[v] for v in nodes])
+    @classmethod
+    def of_probs(cls, probs: Tensor) -> WarpedRows:
+        """Rows already warped: probs [N+1, V] are read as they are (their logs stand in for the logits)."""
+        rows = cls(probs.log(), SamplingParams(1.0), check=False)
+        rows._all = probs
+        return rows
 
-    def edges(self, rows: Tensor, tokens: Tensor) -> Tensor:
-        """p_row(token) for row indices rows [n] and tokens [n]: the edge probabilities of Eq. 1.
+    @property
+    def vocab_size(self) -> int:
+        return self.logits.shape[-1]
 
-        Without top-k or top-p, p_v(x) = exp(l_v(x)/T − logsumexp(l_v/T)): one reduction per row, once per row
-        however often its edges are read, and nothing of width V written, instead of the warped rows; those are
-        read only where a filter needs them."""
+    def warp(self, logits: Tensor) -> Tensor:
+        return target_probs(logits, self.params, check=False)
+
+    def edges(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
+        """p_row(token) [n] for host lists of row indices and tokens: the edge probabilities of Eq. 1.
+
+        The indices go over in one copy. Each distinct row is read once. Without top-k or top-p,
+        p_v(x) = exp(l_v(x)/T − logsumexp(l_v/T)): one reduction per row and nothing of width V written;
+        otherwise the distinct rows are warped."""
+        if not rows:
+            return self.logits.new_empty(0)
+        unique = list(dict.fromkeys(rows))
+        where = {v: i for i, v in enumerate(unique)}
+        p, n = len(unique), len(rows)
+        index = torch.tensor([*unique, *(where[v] for v in rows), *tokens], device=self.logits.device)
+        unique_rows, inverse, token_ids = index[:p], index[p : p + n], index[p + n :]
+        if self._all is not None:
+            return self._all[unique_rows[inverse], token_ids]
+        selected = self.logits.index_select(0, unique_rows).float()  # [P, V]
         if not self.plain:
-            unique, inverse = torch.unique(rows, return_inverse=True)  # [P], [n]
-            return self.rows(unique.tolist())[inverse, tokens]
-        row_list, t = rows.tolist(), self.params.temperature
-        missing = [v for v in dict.fromkeys(row_list) if v not in self._log_norm]
-        if missing:
-            scaled = self.logits[missing].float()  # [P, V], a fresh copy (advanced indexing)
-            if t != 1.0:
-                scaled.div_(t)
-            values = torch.logsumexp(scaled, dim=-1).tolist()  # [P]
-            if not all(map(math.isfinite, values)):  # NaN, +inf and all −inf rows, with no pass of their own
-                check_logits(scaled)
-            self._log_norm.update(zip(missing, values))
-        log_norm = torch.tensor([self._log_norm[v] for v in row_list], device=self.logits.device)  # [n]
-        scaled_edges = self.logits[rows, tokens].float()  # [n]
-        if t != 1.0:
-            scaled_edges.div_(t)
-        return torch.exp(scaled_edges - log_norm)
+            return self.warp(selected)[inverse, token_ids]
+        if self.params.temperature != 1.0:
+            selected = selected / self.params.temperature
+        log_norm = torch.logsumexp(selected, dim=-1)  # [P]
+        return torch.exp(selected[inverse, token_ids] - log_norm[inverse])
 
-    def draw_residual(self, node: int, removed: Tensor, generator: torch.Generator | None = None) -> int | None:
-        """One draw from p_node with the tokens `removed` [k] taken out: the bonus of an exit at `node` (its
-        residual, Eq. 3's rho(node) as its mass); None when no mass is left.
-
-        Under temperature alone the draw reads p_node ∝ exp(l/T − c) straight from the logits, with c the row's
-        logsumexp when `edges` already has it (the node has children) and its maximum otherwise: two or three
-        passes over the row and one cumulative sum, where warping the row first took six."""
-        if self.plain and node not in self._rows:
-            row, t = self.logits[node].float(), self.params.temperature  # [V]
-            shift = self._log_norm.get(node)  # logsumexp(l/T)
-            if shift is None:  # a leaf: shift by the row maximum, which also screens NaN, +inf and all −inf rows
-                top = float(row.amax())
-                if not math.isfinite(top):
-                    check_logits(row)
-                shift = top / t
-            weights = row - shift * t  # [V], a fresh tensor
-            if t != 1.0:
-                weights.div_(t)
-            weights.exp_()
-        else:
-            weights = self.rows([node])[0]  # [V], a fresh copy: rows() stacks
-        if removed.numel():
-            weights[removed] = 0.0
-        cdf = torch.cumsum(weights, dim=-1)  # [V]
-        return int(sample_cdf(cdf, generator)) if bool(cdf[-1] > 0) else None
+    def row(self, node: Tensor) -> Tensor:
+        """[V] the warped row of `node`, an index on the device ([] int64)."""
+        if self._all is not None:
+            return self._all.index_select(0, node.view(1))[0]
+        return self.warp(self.logits.index_select(0, node.view(1)))[0]
 
     def draw(self, node: int, generator: torch.Generator | None = None) -> int:
-        """One draw from p_node: an autoregressive step's token, or the bonus of a round whose tree is its root.
-        A greedy row is one-hot at its first argmax, so that is the draw."""
+        """One draw from p_node, read to the host: an autoregressive step's token. A greedy row is one-hot at its
+        first argmax, so that is the draw."""
         if self.params.greedy:
-            row = self.logits[node]  # [V]
-            check_logits(row)
-            return int(row.argmax())
-        return self.draw_residual(node, self.logits.new_empty(0, dtype=torch.long), generator)
+            return int(self.logits[node].argmax())
+        return int(sample_rows(self.warp(self.logits[node : node + 1]), generator)[0])
 
     def all(self) -> Tensor:
-        """[N+1, V]: every row (what predraw, sequential and greedy read), in one warp when none was read yet."""
+        """[N+1, V]: every row (what predraw and sequential read), warped once."""
         if self._all is None:
-            n = self.logits.shape[0]
-            self._all = self.rows(range(n)) if self._rows else target_probs(self.logits, self.params)
+            self._all = self.warp(self.logits)
         return self._all

@@ -227,18 +227,19 @@ class TargetModel:
         return self._forward_causal(ids, check="token")
 
     @torch.inference_mode()
-    def forward_tree(self, tree: DraftTree) -> TreeForward:
+    def forward_tree(self, tree: DraftTree, check: bool = True) -> TreeForward:
         """One forward over all N+1 tree nodes; node u sees the whole cache and its ancestors-or-self.
 
         Node u sits at position cache_len + depth[u]. Logits row u is the target's next-token distribution
-        after prefix + root-to-u path. The tree's K/V are appended to the cache until `commit`.
+        after prefix + root-to-u path. The tree's K/V are appended to the cache until `commit`. `check` screens
+        the logits (a host read); the decode loop screens them in its round's one read instead (`reject`).
         """
         self._check_idle()
         tree.validate(self.vocab_size)
         self._check_room(tree.depth + 1, f"a tree of depth {tree.depth}")
         tree = tree.to(self.device)
         visible = tree.visibility_mask() if tree.size > 1 else None  # [N+1, N+1]; one row needs no mask
-        out = self._run(tree.tokens, tree.position_ids(self._len), visible, check="node")
+        out = self._run(tree.tokens, tree.position_ids(self._len), visible, check="node" if check else None)
         self._pending = tree
         return out
 
@@ -283,14 +284,19 @@ class TargetModel:
         the error), non-finite logits roll the cache back and raise.
         """
         logits, taps = self.backend.forward(ids, pos, visible, logits_to_keep)  # [n, V] float32, [n, D] each
-        if check is not None:
-            # [n]: a NaN or ±inf logit makes its row's sum non-finite (so would finite logits summing past ±3e38)
-            bad = ~torch.isfinite(logits.sum(dim=-1))
-            if bool(bad.any()):
-                self.backend.crop(self._len)
-                raise ValueError(f"target produced non-finite logits at {check} {int(torch.nonzero(bad)[0])}")
+        # a NaN or ±inf logit makes its row's sum non-finite (so would finite logits summing past ±3e38)
+        if check is not None and not bool(torch.isfinite(logits.sum(dim=-1)).all()):
+            self.reject(logits, check)
         features = torch.cat(taps, dim=-1) if taps else None  # [n, F]
         return TreeForward(logits, features)
+
+    def reject(self, logits: Tensor, what: str) -> None:
+        """Rolls back the forward that made non-finite `logits` [n, V] and raises ValueError naming the first
+        bad row (a `what`: node or token)."""
+        bad = ~torch.isfinite(logits.sum(dim=-1))  # [n]
+        self.backend.crop(self._len)
+        self._pending = None
+        raise ValueError(f"target produced non-finite logits at {what} {int(torch.nonzero(bad)[0])}")
 
     def _check_ids(self, ids: Tensor) -> Tensor:
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)

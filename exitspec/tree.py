@@ -11,7 +11,7 @@ root, are marked invalid, and carry no probability mass in `flow`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -30,9 +30,19 @@ class DraftTree:
     # The builder's estimate of each node's reach probability P(u) (1.0 at the root), when it has one. Builders
     # list nodes best first, so scores never increase along the list and every prefix of it is a tree (`head`).
     scores: tuple[float, ...] | None = None
+    # The same three fields as Python lists, where the tree was made on the host (`from_lists`): the decode loop
+    # reads its structure from them, so a tree on a GPU is never read back (`lists`).
+    host: tuple[list[int], list[int], list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self.validate()  # a tree that exists is a valid tree, however it was made
+
+    @classmethod
+    def from_lists(cls, parents: list[int], tokens: list[int], depths: list[int], scores=None, device=None) -> DraftTree:
+        """A tree made on the host: validated on the lists, then copied to `device` once per field (no sync)."""
+        lists = (list(parents), [int(t) for t in tokens], list(depths))
+        fields = torch.tensor(lists, dtype=torch.long, device=device).unbind()  # one copy: [3, N+1]
+        return cls(*fields, None if scores is None else tuple(scores), lists)
 
     @classmethod
     def from_parents(cls, parents, tokens, vocab_size: int | None = None) -> DraftTree:
@@ -49,23 +59,26 @@ class DraftTree:
             if not 0 <= p < u:
                 _check_parent(parent_list, u)
             depths[u] = depths[p] + 1
-        tree = cls(parents, tokens.to(parents.device), torch.tensor(depths, device=parents.device))
+        tree = cls.from_lists(parent_list, tokens.tolist(), depths, device=parents.device)
         if vocab_size is not None:
             tree.validate(vocab_size)
         return tree
 
     @classmethod
     def root_only(cls, root_token: int, device=None) -> DraftTree:
-        z = torch.zeros(1, dtype=torch.long, device=device)
-        return cls(z - 1, z + int(root_token), z)
+        return cls.from_lists([-1], [int(root_token)], [0], device=device)
 
     @classmethod
-    def chain(cls, root_token: int, tokens, device=None) -> DraftTree:
+    def chain(cls, root_token: int, tokens, device=None, scores=None) -> DraftTree:
         """A single path root → x_1 → … → x_n (plain, non-tree speculative decoding)."""
         n = len(tokens)
-        idx = torch.arange(n + 1, device=device)
-        toks = torch.tensor([int(root_token), *map(int, tokens)], dtype=torch.long, device=device)
-        return cls(idx - 1, toks, idx)
+        return cls.from_lists(list(range(-1, n)), [int(root_token), *map(int, tokens)], list(range(n + 1)), scores,
+                              device)
+
+    @cached_property
+    def lists(self) -> tuple[list[int], list[int], list[int]]:
+        """(parents, tokens, depths) as Python lists: the host copy, or read back once from the tensors."""
+        return self.host or tuple(t.tolist() for t in (self.parents, self.tokens, self.depths))
 
     @property
     def size(self) -> int:
@@ -80,11 +93,15 @@ class DraftTree:
     @cached_property
     def depth(self) -> int:
         """The deepest node's depth (0 for a root-only tree)."""
-        return int(self.depths.max())
+        return max(self.lists[2])
 
-    @cached_property
+    @property
     def parent_list(self) -> list[int]:
-        return self.parents.tolist()
+        return self.lists[0]
+
+    @property
+    def token_list(self) -> list[int]:
+        return self.lists[1]
 
     @cached_property
     def children(self) -> list[list[int]]:
@@ -106,7 +123,8 @@ class DraftTree:
         """The tree on `device`; the same object (with its cached masks) when it is already there."""
         if device is None or self.parents.device == torch.device(device):
             return self
-        return DraftTree(self.parents.to(device), self.tokens.to(device), self.depths.to(device), self.scores)
+        return DraftTree(self.parents.to(device), self.tokens.to(device), self.depths.to(device), self.scores,
+                         self.host)
 
     def head(self, size: int) -> DraftTree:
         """The first `size` nodes (root included): a tree, since every parent comes before its children."""
@@ -115,12 +133,14 @@ class DraftTree:
         if size < 1:
             raise ValueError(f"a tree keeps at least its root, got size {size}")
         scores = None if self.scores is None else self.scores[:size]
-        return DraftTree(self.parents[:size], self.tokens[:size], self.depths[:size], scores)
+        host = None if self.host is None else tuple(x[:size] for x in self.host)
+        return DraftTree(self.parents[:size], self.tokens[:size], self.depths[:size], scores, host)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises InvalidTreeError unless the tree is rooted, ordered, prefix-closed and has distinct siblings.
 
-        One pass over Python lists: about 10 µs for a 32-node tree, so every constructed tree is checked.
+        One pass over Python lists (the host copy where there is one): about 10 µs for a 32-node tree, so
+        every constructed tree is checked.
         """
         fields = (self.parents, self.tokens, self.depths)
         if any(not isinstance(t, Tensor) or t.dtype != torch.long for t in fields):
@@ -131,7 +151,7 @@ class DraftTree:
             raise InvalidTreeError("a tree needs a root")
         if self.scores is not None and len(self.scores) != self.parents.numel():
             raise InvalidTreeError(f"{len(self.scores)} scores for a tree of {self.parents.numel()} nodes")
-        parents, tokens, depths = (t.tolist() for t in fields)
+        parents, tokens, depths = self.lists
         if depths[0] != 0:
             raise InvalidTreeError(f"the root must have depth 0, got {depths[0]}")
         limit = vocab_size if vocab_size is not None else 1 << 62
@@ -165,8 +185,14 @@ class DraftTree:
 
     @cached_property
     def ancestors(self) -> Tensor:
-        """[N+1, N+1] bool: ancestors[i, j] = node j is node i itself or one of its ancestors."""
-        return ancestor_matrix(self.parents[None], self.depths[None], self.valid[None])[0]
+        """[N+1, N+1] bool: ancestors[i, j] = node j is node i itself or one of its ancestors. Made from the
+        parent list on the host and copied over once: no sync, and no op per level."""
+        rows: list[list[bool]] = []
+        for u, p in enumerate(self.parent_list):
+            row = rows[p].copy() if p >= 0 else [False] * self.size
+            row[u] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool, device=self.device)
 
     def visibility_mask(self) -> Tensor:
         """[N+1, N+1] bool tree-attention mask: a node sees itself and its ancestors."""

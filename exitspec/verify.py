@@ -1,4 +1,4 @@
-"""Exact tree verifiers: (tree, per-node target probabilities, generator) → accepted path + bonus token.
+"""Exact tree verifiers: (tree, the target distribution at its nodes, generator) → accepted path + bonus token.
 
 Every verifier here is *saturated*: it leaves the tree at node v with probability w(v) = P(v)·rho(v) and
 draws the bonus token from the residual at v (flow.py, Eqs. 1–5), so the output block
@@ -11,9 +11,11 @@ draws the bonus token from the residual at v (flow.py, Eqs. 1–5), so the outpu
     tev         Tree Exit Verification: compute w level-parallel, draw one exit node v ~ w, then one bonus
                 y ~ residual(v). Two small draws instead of one draw per node.
 
-`verify(name, tree, logits, params, generator)` is the checked entry point: it validates the tree against
-the logits, warps them into the target distribution (sampling.py) and decides. The `decide_*` functions
-are the decode loop's unchecked path: they trust probabilities made by `target_probs`.
+Each `decide_*` reads the target distribution through `WarpedRows` (only the rows it needs) and returns a
+`Decision` that stays on the device: greedy, predraw and TEV make no host read at all, so the decode loop
+reads the exit node and bonus with the round's other numbers in one transfer (decode.py). `Decision.read`
+is that read for one decision. `verify(name, tree, logits, params, generator)` is the checked entry point:
+it validates the tree against the logits and runs the same deciders the decode loop runs.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from exitspec.flow import TreeFlow, node_residual, tree_flow
-from exitspec.sampling import SamplingParams, WarpedRows, sample_list, sample_rows, target_probs
+from exitspec.flow import TreeFlow, edge_flow, node_residual, row_flow, tree_flow
+from exitspec.sampling import SamplingParams, WarpedRows, sample_rows
 from exitspec.tree import DraftTree
 
 
@@ -40,34 +42,88 @@ class Verdict:
 
     def output_tokens(self, tree: DraftTree) -> list[int]:
         """The round's output block: the accepted draft tokens, then the bonus token."""
-        return tree.tokens[self.path].tolist() + [self.bonus] if self.path else [self.bonus]
+        tokens = tree.token_list
+        return [tokens[u] for u in self.path] + [self.bonus]
 
 
-def decide_greedy(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None, flow=None) -> Verdict:
+@dataclass(frozen=True)
+class Decision:
+    """A verifier's choice, on the device: the exit node v, the bonus y drawn from its residual, and the tree's
+    flow (P, rho, w: Eqs. 1–5). `drawable` is False only where rounding left w(v) > 0 at a node whose residual
+    is empty (rho(v) is truly 0): `read` then takes v out and redraws, which is the exact law."""
+
+    exit_node: Tensor  # [] int64
+    bonus: Tensor  # [] int64
+    drawable: Tensor  # [] bool
+    flow: TreeFlow
+
+    def scalars(self) -> list[Tensor]:
+        """Exit node, bonus and drawable as [1] tensors, for the round's one host read (torch.cat promotes them to
+        the flow's float32, where token ids below 2^24 are exact)."""
+        return [self.exit_node.view(1), self.bonus.view(1), self.drawable.view(1)]
+
+    def read(self, tree: DraftTree, rows: WarpedRows, generator: torch.Generator | None) -> Verdict:
+        node, bonus, drawable = torch.cat(self.scalars()).double().tolist()
+        return self.verdict(tree, rows, generator, int(node), int(bonus), bool(drawable))
+
+    def verdict(self, tree, rows, generator, node: int, bonus: int, drawable: bool) -> Verdict:
+        """The Verdict of host values read back from `scalars`; the rare redraw where the residual was empty."""
+        exit_mass = self.flow.exit
+        while not drawable:
+            exit_mass = exit_mass.index_fill(0, torch.tensor([node], device=exit_mass.device), 0.0)
+            retry = _draw_exit(tree, rows, generator, exit_mass, self.flow)
+            node, bonus, drawable = (int(x) for x in torch.cat(retry.scalars()).double().tolist())
+        return Verdict(tree.path(node), bonus)
+
+
+def decide_tev(tree: DraftTree, rows: WarpedRows, generator: torch.Generator | None = None) -> Decision:
+    """Tree Exit Verification: v ~ w (level-parallel exit law), then bonus ~ residual(v).
+
+    The flow reads only the rows of nodes with children (flow.row_flow); beyond them only the exit node's
+    row is warped, for its residual. No host read: the exit node is an index on the device throughout.
+    """
+    flow = row_flow(tree, rows)
+    return _draw_exit(tree, rows, generator, flow.exit, flow)
+
+
+def _draw_exit(tree, rows: WarpedRows, generator, exit_mass: Tensor, flow: TreeFlow) -> Decision:
+    node = sample_rows(exit_mass, generator)  # [] v ~ w (never a node of zero mass)
+    residual = rows.row(node) * child_free(tree, node, rows.vocab_size)  # [V] p_v without v's child tokens
+    return Decision(node, sample_rows(residual, generator), residual.sum() > 0, flow)
+
+
+def child_free(tree: DraftTree, node: Tensor, vocab_size: int) -> Tensor:
+    """[V] float: 0 at the tokens of `node`'s children ([] int64 on the device), 1 elsewhere."""
+    not_child = (tree.parents != node).float()  # [N+1]
+    return torch.ones(vocab_size, device=node.device).scatter_reduce(0, tree.tokens, not_child, "amin")
+
+
+def decide_greedy(tree: DraftTree, rows: WarpedRows, generator: torch.Generator | None = None) -> Decision:
     """Temperature 0: the target token at each node is argmax p_v; follow it while the tree has it."""
-    return _follow(tree, probs.argmax(dim=-1))
+    return _follow(tree, rows.logits.argmax(dim=-1))  # the flow: the one-hot law of those tokens
 
 
-def decide_predraw(tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None, flow=None) -> Verdict:
+def decide_predraw(tree: DraftTree, rows: WarpedRows, generator: torch.Generator | None = None) -> Decision:
     """Predraw-and-follow (DDTree): one target draw per node [N+1], then follow matching children."""
-    draws = sample_rows(probs, generator)  # [N+1]
-    return _follow(tree, draws)
+    probs = rows.all()  # [N+1, V]
+    return _follow(tree, sample_rows(probs, generator), tree_flow(tree, probs, check=False))
 
 
 def decide_sequential(
     tree: DraftTree,
-    probs: Tensor,
+    rows: WarpedRows,
     generator: torch.Generator | None = None,
-    flow: TreeFlow | None = None,
     child_order: Callable[[list[int]], Sequence[int]] | None = None,
-) -> Verdict:
+) -> Decision:
     """Sequential residual (EAGLE-style), children tested in `child_order` (default: tree order).
 
     After rejecting children c_1..c_{i-1} of v, the residual has mass q_i + Σ_{j>i} q_j + rho(v), with
     q_j = p_v(x_{c_j}); child c_i is accepted with probability q_i over that mass. Children that are never
-    tested are not sampled, so the decision costs one uniform per tested child and one residual draw.
+    tested are not sampled, so the decision costs one uniform per tested child and one residual draw. It
+    walks the tree on the host, one read per level.
     """
-    node, path = 0, []
+    probs = rows.all()  # [N+1, V]
+    node = 0
     while True:
         kids = list(child_order(tree.children[node])) if child_order else tree.children[node]
         residual = node_residual(tree, probs, node)  # [V] p_v without the child tokens
@@ -80,57 +136,28 @@ def decide_sequential(
             accepted = torch.nonzero(uniforms < accept_prob).flatten()
             if accepted.numel():
                 node = kids[int(accepted[0])]
-                path.append(node)
                 continue
-        return Verdict(path, int(sample_rows(residual, generator)))
+        device = probs.device
+        return Decision(torch.tensor(node, device=device), sample_rows(residual, generator),
+                        torch.tensor(True, device=device), tree_flow(tree, probs, check=False))
 
 
-def decide_tev(
-    tree: DraftTree, probs: Tensor, generator: torch.Generator | None = None, flow: TreeFlow | None = None
-) -> Verdict:
-    """Tree Exit Verification: v ~ w (level-parallel exit law), then bonus ~ residual(v).
-
-    rho(v) = 1 − Σ children's edge probabilities is computed from O(N) gathered entries; only the exit node's
-    residual row [V] is ever formed. `flow`, when given, is this tree's tree_flow, already computed by the
-    caller. If rounding made w(v) > 0 at a node whose residual is empty (rho(v) is truly 0), that node is
-    removed and the exit redrawn, which is the exact law.
-    """
-    exit_mass = (flow or tree_flow(tree, probs, check=False)).exit.clone()  # [N+1]
-    while True:
-        node = int(sample_rows(exit_mass, generator))
-        residual = node_residual(tree, probs, node)  # [V]
-        if bool(residual.sum() > 0):
-            return Verdict(tree.path(node), int(sample_rows(residual, generator)))
-        exit_mass[node] = 0.0
-
-
-def decide_tev_rows(tree: DraftTree, rows: WarpedRows, generator: torch.Generator | None, flow: TreeFlow) -> Verdict:
-    """decide_tev on lazily warped rows: flow = parent_row_flow(tree, rows); beyond the parents' rows only the
-    exit node's row is read, for its residual draw (WarpedRows.draw_residual). The decode loop's TEV path: the
-    same law without a warp of all N+1 rows, and the tree's few dozen exit masses drawn from as a Python list."""
-    exit_mass = flow.exit.tolist()  # [N+1]
-    while True:
-        node = sample_list(exit_mass, generator)
-        bonus = rows.draw_residual(node, tree.tokens[tree.children[node]], generator)
-        if bonus is not None:
-            return Verdict(tree.path(node), bonus)
-        exit_mass[node] = 0.0
-
-
-def _follow(tree: DraftTree, target_tokens: Tensor) -> Verdict:
+def _follow(tree: DraftTree, target_tokens: Tensor, flow: TreeFlow | None = None) -> Decision:
     """Accept every node whose ancestors-or-self all carry their parent's target token; exit at the deepest.
 
     target_tokens [N+1] holds the target's token at every node. Sibling tokens are distinct, so the accepted
-    nodes form one root path; its deepest node is the exit and its target token the bonus.
+    nodes form one root path; its deepest node is the exit and its target token the bonus. `flow` defaults
+    to the one-hot law of those tokens (greedy's): edge(u) = 1 where x_u is its parent's target token (Eq. 1).
     """
-    mismatch = target_tokens[tree.parents.clamp(min=0)] != tree.tokens  # [N+1]
-    mismatch[0] = False
-    on_path = ~(tree.ancestors & mismatch).any(dim=-1)  # [N+1] every ancestor-or-self matches
-    exit_node = int(torch.argmax(torch.where(on_path, tree.depths, -1)))
-    return Verdict(tree.path(exit_node), int(target_tokens[exit_node]))
+    match = (target_tokens.gather(0, tree.parents.clamp(min=0)) == tree.tokens) | (tree.parents < 0)  # [N+1]
+    on_path = ~(tree.ancestors & ~match).any(dim=-1)  # [N+1] every ancestor-or-self matches
+    node = torch.where(on_path, tree.depths, -1).argmax()  # []
+    bonus = target_tokens.index_select(0, node.view(1))[0]  # (indexing by a tensor would read it on the host)
+    return Decision(node, bonus, torch.ones((), dtype=torch.bool, device=node.device),
+                    flow or edge_flow(tree, match.float()))
 
 
-DECIDERS: dict[str, Callable[..., Verdict]] = {
+DECIDERS: dict[str, Callable[..., Decision]] = {
     "greedy": decide_greedy,
     "predraw": decide_predraw,
     "sequential": decide_sequential,
@@ -153,14 +180,14 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None = None,
 ) -> Verdict:
-    """Warps logits [N+1, V] into the target distribution and runs verifier `name` on it.
-
-    The library's checked entry point: the logits must have one row per node and a column for every tree
-    token; -inf entries are allowed where a row keeps a finite maximum (sampling.check_logits).
+    """Verifier `name` on the target distribution of logits [N+1, V] warped by `params`: the decode loop's
+    deciders behind the checks of the library's entry point. The logits must have one row per node and a
+    column for every tree token; -inf entries are allowed where a row keeps a finite maximum
+    (sampling.check_logits).
     """
     check_verifier(name, params)
     if logits.dim() != 2 or logits.shape[0] != tree.size:
         raise ValueError(f"logits must be [N+1, V] = [{tree.size}, V] for this tree, got shape {tuple(logits.shape)}")
     tree.validate(vocab_size=logits.shape[-1])
-    probs = target_probs(logits, params)  # [N+1, V]
-    return DECIDERS[name](tree, probs, generator, tree_flow(tree, probs, check=False))
+    rows = WarpedRows(logits, params)  # checks the logits
+    return DECIDERS[name](tree, rows, generator).read(tree, rows, generator)

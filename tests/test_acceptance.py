@@ -49,7 +49,7 @@ def inference_taus(model, drafter_model, rollout: Rollout, temperature: float) -
     for a in range(len(rollout.prompt_ids), len(ids) - 1):
         target.reset()
         drafter.begin(ids[: a + 1], target.prefill(ids[:a]))
-        tree = drafter.build(drafter.propose(ids[: a + 1], BLOCK - 1), int(ids[a]), BUDGET)
+        tree = drafter.build(drafter.propose(ids[: a + 1].tolist(), BLOCK - 1), int(ids[a]), BUDGET)
         probs = target_probs(target.forward_tree(tree).logits, SamplingParams(temperature))
         taus.append(1.0 + float(tree_flow(tree, probs).coverage))
     return taus

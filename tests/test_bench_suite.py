@@ -237,7 +237,7 @@ def test_second_turn_follows_the_models_own_answer(tmp_path, capsys):
 
 def test_chain_drafter_keeps_the_best_path():
     drafter = ChainDrafter(NgramDrafter())
-    context = torch.tensor([3, 4, 5, 6, 3, 4, 7, 3, 4, 5, 6, 8, 3, 4])
+    context = [3, 4, 5, 6, 3, 4, 7, 3, 4, 5, 6, 8, 3, 4]
     tree = NgramDrafter().build(NgramDrafter().propose(context, 6), 4, 32)
     chain = drafter.build(drafter.propose(context, 6), 4, 32)
     assert tree.num_nodes > chain.depth == chain.num_nodes >= 1

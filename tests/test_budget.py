@@ -183,13 +183,13 @@ def test_estimates_are_learned_per_sampling_setting():
 
     def first_estimate(setting) -> float:
         drafter.calibrate_for(setting)
-        return drafter.build(drafter.propose(context, 4), 3, 4).scores[1]
+        return drafter.build(drafter.propose(context.tolist(), 4), 3, 4).scores[1]
 
     prior = first_estimate(greedy)
     assert first_estimate(sampled) == prior
     for reach in (1.0, 1.0, 1.0, float("nan")):
-        tree = drafter.build(drafter.propose(context, 4), 3, 4)
-        drafter.observe(tree, torch.tensor([1.0] + [reach] * tree.num_nodes))  # sampled: every node accepted
+        tree = drafter.build(drafter.propose(context.tolist(), 4), 3, 4)
+        drafter.observe(tree, [1.0] + [reach] * tree.num_nodes)  # sampled: every node accepted
     learned = first_estimate(sampled)
     assert learned > prior and first_estimate(greedy) == prior and first_estimate(sampled) == learned
 

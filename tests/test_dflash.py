@@ -145,19 +145,19 @@ def test_released_checkpoint_loads_and_drafts(released, target, tokens):
 
     prompt = tokens[:9]
     drafter.begin(prompt, target_features(target, prompt, drafter.feature_layers)[:-1])
-    proposal = drafter.propose(prompt, max_depth=10)
+    proposal = drafter.propose(prompt.tolist(), max_depth=10)
     logits = proposal.marginals
     assert logits.shape == (BLOCK - 1, VOCAB) and logits.dtype == torch.float32
     torch.testing.assert_close(drafter.marginals(prompt, max_depth=2), logits[:2])
     assert drafter.marginals(prompt, max_depth=0).shape == (0, VOCAB)
-    assert drafter.propose(prompt, max_depth=10, cheap=True).marginals is None  # no block forward
+    assert drafter.propose(prompt.tolist(), max_depth=10, cheap=True).marginals is None  # no block forward
 
     tree = drafter.build(proposal, int(prompt[-1]), budget=6)
     assert isinstance(tree, DraftTree) and tree.num_nodes == 6 and tree.depth <= BLOCK - 1
     assert len(tree.scores) == 7 and list(tree.scores) == sorted(tree.scores, reverse=True)
     model_only = DFlashDrafter.from_pretrained(released, target, suffix_source=False)
     model_only.begin(prompt, target_features(target, prompt, drafter.feature_layers)[:-1])
-    assert model_only.propose(prompt, max_depth=10).suffix is None
+    assert model_only.propose(prompt.tolist(), max_depth=10).suffix is None
     assert int(model_only.build(DFlashProposal(logits, None), int(prompt[-1]), 6).tokens[1]) == int(logits[0].argmax())
     assert model_only.build(DFlashProposal(logits[:0], None), 7, budget=6).num_nodes == 0
 

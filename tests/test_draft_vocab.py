@@ -70,7 +70,7 @@ def test_marginals_equal_the_full_head_on_the_vocabulary(target, monkeypatch):
     inside[VOCAB_IDS] = True
     torch.testing.assert_close(b[:, inside], a[:, inside])
     assert bool(b[:, ~inside].isneginf().all())
-    tree = small.build(small.propose(prompt, 8), int(prompt[-1]), 40)
+    tree = small.build(small.propose(prompt.tolist(), 8), int(prompt[-1]), 40)
     assert tree.size > 1 and set(tree.tokens[1:].tolist()) <= set(VOCAB_IDS)
 
 

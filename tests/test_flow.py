@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exitspec.check import random_logits, random_tree
-from exitspec.flow import observed_reach, parent_row_flow, residual_probs, tree_flow
+from exitspec.flow import frontier, observed_reach, residual_probs, row_flow, tree_flow
 from exitspec.sampling import SamplingParams, WarpedRows, target_probs
 from exitspec.tree import TreeBatch
 
@@ -72,8 +72,11 @@ def test_a_head_reveals_its_own_reach_and_its_frontier(seed, kept, params):
     kept = min(kept, tree.size)
     head = tree.head(kept)
     rows = WarpedRows(logits[:kept], params)  # the head's forward sees only its own rows
-    reach = parent_row_flow(head, rows).reach if kept > 1 else torch.ones(1)  # a root alone: P = 1, as decode has it
-    got = observed_reach(tree, kept, reach, rows)  # [M+1]
+    reach = row_flow(head, rows).reach.tolist()  # a root alone: P = 1
+    parents, tokens = tree.parent_list, tree.token_list
+    cut = frontier(tree, kept)
+    edges = rows.edges([parents[u] for u in cut], [tokens[u] for u in cut]).tolist()
+    got = torch.tensor(observed_reach(tree, kept, reach, edges))  # [M+1]
     full = tree_flow(tree, target_probs(logits, params)).reach  # [M+1]
     seen = torch.arange(tree.size) < kept
     seen[kept:] = tree.parents[kept:] < kept

@@ -31,7 +31,7 @@ def test_is_a_drafter_without_features():
 def test_proposes_the_repeated_continuation_first():
     context = torch.tensor([9, 5, 6, 7, 8, 1, 2, 3, 4, 7, 2, 5, 6, 7])  # "5 6 7" was followed by "8 1 2"
     drafter = NgramDrafter()
-    proposal = drafter.propose(context, max_depth=3)
+    proposal = drafter.propose(context.tolist(), max_depth=3)
     assert proposal.continuations[0] == [8, 1, 2]
     tree = drafter.build(proposal, int(context[-1]), budget=3)
     assert tree.tokens.tolist() == [7, 8, 1, 2] and tree.parents.tolist() == [-1, 0, 1, 2]
@@ -40,7 +40,7 @@ def test_proposes_the_repeated_continuation_first():
 def test_longer_match_beats_recency_and_counts_add_up():
     context = torch.tensor([1, 2, 3, 4, 3, 5, 3, 5, 2, 3])  # "2 3" → 4 once; "3" → 5 twice more recently
     drafter = NgramDrafter()
-    proposal = drafter.propose(context, max_depth=1)
+    proposal = drafter.propose(context.tolist(), max_depth=1)
     assert proposal.continuations == [[4], [5], [5]]
     tree = drafter.build(proposal, 3, budget=1)
     assert tree.tokens.tolist() == [3, 5]  # two short matches outweigh one long one in the trie
@@ -49,15 +49,15 @@ def test_longer_match_beats_recency_and_counts_add_up():
 @pytest.mark.parametrize("context", [[1, 2, 3, 4, 5], [3], []])
 def test_no_match_gives_a_root_only_tree(context):
     drafter = NgramDrafter()
-    proposal = drafter.propose(torch.tensor(context, dtype=torch.long), max_depth=4)
+    proposal = drafter.propose(context, max_depth=4)
     assert proposal.continuations == []
     assert drafter.build(proposal, 3, budget=8).num_nodes == 0
 
 
 def test_min_ngram_ignores_short_matches():
     context = torch.tensor([4, 1, 2, 3, 1])  # only a 1-gram match
-    assert NgramDrafter(min_ngram=2).propose(context, max_depth=3).continuations == []
-    assert NgramDrafter(min_ngram=1).propose(context, max_depth=3).continuations == [[2, 3, 1]]
+    assert NgramDrafter(min_ngram=2).propose(context.tolist(), max_depth=3).continuations == []
+    assert NgramDrafter(min_ngram=1).propose(context.tolist(), max_depth=3).continuations == [[2, 3, 1]]
 
 
 @settings(max_examples=150, deadline=None)
@@ -72,7 +72,7 @@ def test_min_ngram_ignores_short_matches():
 def test_matches_loop_and_builds_bounded_trees(context, max_depth, budget, max_ngram, min_ngram, max_candidates):
     min_ngram = min(min_ngram, max_ngram)
     drafter = NgramDrafter(max_ngram, min_ngram, max_candidates)
-    proposal = drafter.propose(torch.tensor(context, dtype=torch.long), max_depth)
+    proposal = drafter.propose(context, max_depth)
     expected = loop_lookup(context, max_depth, max_ngram, min_ngram, max_candidates)
     assert proposal.continuations == [c for c, _ in expected]
     assert proposal.weights == pytest.approx([w for _, w in expected])

@@ -19,7 +19,7 @@ def test_the_request_tree_proposes_what_followed_the_context_tail_best_first():
     source = SuffixSource()
     context = [1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2]
     source.begin(context)
-    proposal = source.propose(context, max_depth=3, device="cpu")
+    proposal = source.propose(context, max_depth=3)
     tree = source.trees(proposal, root_token=2)["request"]
     assert tree.tokens[1] == 3 and tree.depth <= 3  # "1 2" was always followed by 3
     assert tree.scores[1] == 1.0  # the tail's own occurrence at the end, with nothing after it, does not count
@@ -27,15 +27,15 @@ def test_the_request_tree_proposes_what_followed_the_context_tail_best_first():
     assert tree.scores[1] > max(tree.scores[2:])  # then 4 (twice) and 5 (once) split the mass
     children = {int(tree.tokens[u]) for u in tree.children[1]}
     assert children <= {4, 5} and 4 in children
-    assert set(source.propose(context, 3, "cpu").drafts) == {"request"}  # no memory: one source
+    assert set(source.propose(context, 3).drafts) == {"request"}  # no memory: one source
 
 
 def test_the_request_tree_follows_the_answer_as_it_grows():
     source = SuffixSource()
     source.begin([7, 8])
-    assert source.propose([7, 8], 4, "cpu").drafts == {}
+    assert source.propose([7, 8], 4).drafts == {}
     grown = [7, 8, 10, 11, 12, 7, 8]  # the answer so far repeats the prompt's start
-    tree = source.trees(source.propose(grown, 4, "cpu"), 8)["request"]
+    tree = source.trees(source.propose(grown, 4), 8)["request"]
     assert tree.tokens[1:4].tolist() == [10, 11, 12]
 
 
@@ -46,8 +46,8 @@ def test_the_memory_drops_the_oldest_answers_beyond_its_bound():
     assert memory.stored <= 10 and [a[0] for _, a in memory.answers] == [2, 3]
     source = SuffixSource(memory)
     source.begin([30])
-    assert "memory" not in source.propose([0, 10], 4, "cpu").drafts  # evicted from the tree too
-    assert source.trees(source.propose([3, 23], 4, "cpu"), 23)["memory"].tokens[1] == 4
+    assert "memory" not in source.propose([0, 10], 4).drafts  # evicted from the tree too
+    assert source.trees(source.propose([3, 23], 4), 23)["memory"].tokens[1] == 4
     memory.add([1])  # too short to teach anything
     with pytest.raises(ValueError, match="vocabulary"):
         memory.add([1, VOCAB])
@@ -78,7 +78,7 @@ def test_a_speculation_never_exceeds_its_bounds():
     context = list(range(20)) * 4
     source.begin(context)
     for depth in (1, 5, 40):
-        tree = source.trees(source.propose(context, depth, "cpu"), context[-1])["request"]
+        tree = source.trees(source.propose(context, depth), context[-1])["request"]
         assert tree.depth <= depth and tree.num_nodes <= MAX_NODES
 
 

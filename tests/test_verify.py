@@ -17,17 +17,17 @@ from exitspec.check import (
     random_tree,
     sample_verdicts,
 )
-from exitspec.flow import parent_row_flow, tree_flow
+from exitspec.flow import row_flow, tree_flow
 from exitspec.sampling import SamplingParams, WarpedRows, target_probs
 from exitspec.tree import DraftTree, InvalidTreeError
 from exitspec.verify import (
     DECIDERS,
-    Verdict,
+    Decision,
     _follow,
     check_verifier,
     decide_predraw,
     decide_sequential,
-    decide_tev_rows,
+    decide_tev,
     verify,
 )
 
@@ -49,16 +49,16 @@ def test_verifier_matches_exit_law(name, params):
 @pytest.mark.parametrize("params", LAW_PARAMS, ids=["t1", "top_p0.9"])
 @pytest.mark.parametrize("filtered", [False, True], ids=["plain", "filter-path"])
 def test_tev_on_lazily_warped_rows_matches_exit_law(params, filtered):
-    """The decode loop's TEV (parent_row_flow + decide_tev_rows) keeps the law: probs enter as log-probs, which
+    """TEV on rows warped from logits, as the decode loop has them, keeps the law: probs enter as log-probs, which
     the plain warp turns back into the same distribution (zeros become masked -inf entries). top_k = V filters
     nothing but takes the path of a filtered warp (whole rows warped, then read)."""
     tree, probs = law_case(12, params)
     warp = SamplingParams(1.0, top_k=probs.shape[-1] if filtered else 0)
 
-    def lean(tree, probs, gen):
-        rows = WarpedRows(probs.log(), warp)
+    def lean(tree, warped, gen):
+        rows = WarpedRows(warped.logits, warp, check=False)
         assert rows.plain != filtered
-        return decide_tev_rows(tree, rows, gen, parent_row_flow(tree, rows))
+        return decide_tev(tree, rows, gen)
 
     result = check_law("tev-rows", lean, tree, probs, params, DRAWS, seed=4)
     assert result.p_value > 1e-3 and abs(result.mean_length - result.expected_length) < 3 * result.std_err, result
@@ -67,34 +67,35 @@ def test_tev_on_lazily_warped_rows_matches_exit_law(params, filtered):
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5), SamplingParams(1.3, top_p=0.8),
                                     SamplingParams(0.0)], ids=["t1", "topk", "topp", "greedy"])
 def test_parent_rows_give_the_full_flow(params):
-    """parent_row_flow reads only the parents' rows and gets tree_flow's exit law on all of them."""
+    """row_flow reads only the parents' rows and gets tree_flow's exit law on all of them: NaN in every leaf's
+    row changes nothing."""
     g = torch.Generator().manual_seed(1)
     for seed in range(5):
         tree, _ = law_case(seed, params, vocab=40)
         logits = torch.randn(tree.size, 40, generator=g) * 3
-        rows = WarpedRows(logits, params)
-        lean = parent_row_flow(tree, rows)
         full = tree_flow(tree, target_probs(logits, params))
+        leaves = [u for u, kids in enumerate(tree.children) if not kids]
+        logits[leaves] = float("nan")
+        lean = row_flow(tree, WarpedRows(logits, params, check=False))
         for name in ("edge", "reach", "rho", "exit", "coverage"):
             torch.testing.assert_close(getattr(lean, name), getattr(full, name))
-        assert set(rows._rows) <= set(tree.parents[1:].tolist())  # no leaf row was warped
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_parent_rows_refuse_a_bad_parent_row(bad):
-    """The lean edge path checks its rows through the log-normaliser: NaN or +inf in a parent's row is refused."""
+    """Checked rows refuse NaN or +inf in a parent's row before any edge is read."""
     tree, _ = law_case(3, SamplingParams(1.0), vocab=40)
     logits = torch.randn(tree.size, 40)
     logits[int(tree.parents[1]), 7] = bad
     with pytest.raises(ValueError, match="NaN or \\+inf"):
-        parent_row_flow(tree, WarpedRows(logits, SamplingParams(1.0)))
+        row_flow(tree, WarpedRows(logits, SamplingParams(1.0)))
 
 
 def test_sequential_law_does_not_depend_on_child_order():
     tree, probs = law_case(12, LAW_PARAMS[0])
 
-    def reverse(tree, probs, gen):
-        return decide_sequential(tree, probs, gen, child_order=lambda kids: kids[::-1])
+    def reverse(tree, rows, gen):
+        return decide_sequential(tree, rows, gen, child_order=lambda kids: kids[::-1])
 
     assert check_law("sequential-reversed", reverse, tree, probs, LAW_PARAMS[0], DRAWS, seed=5).passed
 
@@ -102,9 +103,10 @@ def test_sequential_law_does_not_depend_on_child_order():
 def test_wrong_verifier_is_caught():
     """Predraw-and-follow whose bonus comes from p_v instead of the residual must fail the G-test."""
 
-    def bonus_from_full_distribution(tree, probs, gen):
-        verdict = decide_predraw(tree, probs, gen)
-        return Verdict(verdict.path, int(torch.multinomial(probs[verdict.exit_node], 1, generator=gen)))
+    def bonus_from_full_distribution(tree, rows, gen):
+        decision = decide_predraw(tree, rows, gen)
+        bonus = torch.multinomial(rows.all()[decision.exit_node], 1, generator=gen)[0]
+        return Decision(decision.exit_node, bonus, decision.drawable, decision.flow)
 
     tree, probs = law_case(12, LAW_PARAMS[0])
     counts, _ = sample_verdicts(bonus_from_full_distribution, tree, probs, seed=1, draws=DRAWS)
@@ -126,7 +128,7 @@ def test_greedy_follows_argmax_and_all_verifiers_agree_at_temperature_zero():
     for _ in range(50):
         tree = random_tree(gen, VOCAB)
         logits = random_logits(gen, tree.size, VOCAB)
-        expected = _follow(tree, logits.argmax(-1))
+        expected = _follow(tree, logits.argmax(-1)).read(tree, None, None)
         for name in DECIDERS:
             assert verify(name, tree, logits, greedy, gen) == expected
 
@@ -142,9 +144,10 @@ def test_greedy_accepts_a_matching_chain_fully():
 
 def test_seeded_verifiers_are_reproducible():
     tree, probs = law_case(12, LAW_PARAMS[1])
+    rows = WarpedRows.of_probs(probs)
     for name in ["predraw", "sequential", "tev"]:
         runs = [
-            [DECIDERS[name](tree, probs, g) for _ in range(20)]
+            [DECIDERS[name](tree, rows, g).read(tree, rows, g) for _ in range(20)]
             for g in (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7))
         ]
         assert runs[0] == runs[1]

@@ -305,7 +305,7 @@ class Runner:
         return self.first.autoregressive(prompt_ids, stop_tokens=self.stops, **gen)
 
     def _hf(self, prompt_ids, gen) -> tuple[list[int], float]:
-        timer = StageTimer(self.target.device)
+        timer = StageTimer()
         with timer("hf"):
             tokens = hf_generate(self.hf_model, prompt_ids, self.stops, **gen)
         return tokens, timer.seconds["hf"]

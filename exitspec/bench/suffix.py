@@ -56,7 +56,7 @@ def measure(model=None, sizes=SIZES) -> dict:
             source.sync(context)
             updates.append(time.perf_counter() - start)
             start = time.perf_counter()
-            source.trees(source.propose(context, 16, "cpu"), context[-1])
+            source.trees(source.propose(context, 16), context[-1])
             lookups.append(time.perf_counter() - start)
         rows.append({
             "stored": memory.stored, "answers": len(memory.answers),

@@ -46,16 +46,16 @@ from rich.table import Table
 from torch import Tensor
 
 from exitspec.app import load_decoders, resolve_device
-from exitspec.bench import forward, suffix
+from exitspec.bench import forward, rounds, suffix
 from exitspec.build import build_ddtree
 from exitspec.decode import encode_prompt
 from exitspec.drafters import DFlashDrafter
-from exitspec.flow import check_probs, parent_row_flow, tree_flow
-from exitspec.options import MAX_BUDGET
+from exitspec.flow import check_probs, tree_flow
+from exitspec.options import MAX_BUDGET, parse_budget
 from exitspec.sampling import SamplingParams, WarpedRows, target_probs
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
-from exitspec.verify import DECIDERS, decide_tev_rows
+from exitspec.verify import DECIDERS, decide_tev
 
 PROMPTS = (
     "Explain in two sentences why the sky is blue.",
@@ -155,13 +155,13 @@ def time_pair(
     calls = {"warp": lambda t: target_probs(logits, params), "check": lambda t: check_probs(t, probs),
              "tev_rows": lambda t: _tev_stage(t, logits, params, gen)}
     for name in VERIFIERS:
-        p = greedy_probs if name == "greedy" else probs
-        calls[name] = lambda t, decide=DECIDERS[name], p=p: decide(t, p, gen)
+        rows = WarpedRows.of_probs(greedy_probs if name == "greedy" else probs)  # already warped
+        calls[name] = lambda t, decide=DECIDERS[name], r=rows: decide(t, r, gen).read(t, r, gen)
     names = list(calls)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(warmup + repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no call always follows another
-            fresh = DraftTree(tree.parents, tree.tokens, tree.depths)  # same tensors, empty structure caches
+            fresh = DraftTree(tree.parents, tree.tokens, tree.depths, host=tree.host)  # empty structure caches
             seconds = _seconds(lambda call=calls[name], t=fresh: call(t), logits.device)
             if r >= warmup:
                 samples[name].append(seconds)
@@ -171,7 +171,7 @@ def time_pair(
 def _tev_stage(tree: DraftTree, logits: Tensor, params: SamplingParams, gen: torch.Generator):
     """The decode loop's whole TEV verify stage: the parents' rows and the exit node's row warped, then decided."""
     rows = WarpedRows(logits, params)
-    return decide_tev_rows(tree, rows, gen, parent_row_flow(tree, rows))
+    return decide_tev(tree, rows, gen).read(tree, rows, gen)
 
 
 def run_bench(
@@ -246,6 +246,11 @@ def print_tables(result: dict, console: Console) -> None:
 
 def run(args) -> int:
     """`exitspec latency`: measures, prints the tables and with --json writes the results."""
+    if args.stage == "round":
+        result = rounds.measure(args.model, args.drafter, args.device, args.dtype, args.threads,
+                                [parse_budget(b) for b in args.round_budgets], args.temperatures or [0.0, 1.0], args.prompts)
+        rounds.print_table(result, Console())
+        return _write_json(result, args.json)
     if args.stage == "suffix":
         result = suffix.measure(args.model, args.sizes or suffix.SIZES)
         suffix.print_table(result, Console())
@@ -263,7 +268,7 @@ def run(args) -> int:
         forward.print_table(result, Console())
     else:
         result = measure(
-            args.model, args.drafter, args.device, args.dtype, args.threads, args.budgets, args.temperatures,
+            args.model, args.drafter, args.device, args.dtype, args.threads, args.budgets, args.temperatures or [1.0, 0.6],
             args.top_p, args.prompts, args.depth, args.repeats, args.warmup, args.synthetic, args.vocab, args.seed,
         )
         print_tables(result, Console())

@@ -3,11 +3,11 @@
 One round, as the decode loop drives it (shapes for one sequence):
 
     drafter.calibrate_for(params)                          # once per sequence: the sampling settings it is for
-    proposal = drafter.propose(context_ids, max_depth, cheap)  # context_ids [L]; its last token is the tree root
+    proposal = drafter.propose(context, max_depth, cheap)  # context: the L token ids so far (a list); the last roots the tree
     tree = drafter.build(proposal, root_token, budget)     # DraftTree with at most `budget` non-root nodes
     ... --budget auto may verify only tree.head(n) ...
     ... one target forward over the tree, a verifier picks root → path plus a bonus token ...
-    drafter.observe(tree, reach)                           # the realised P(u) [N+1] of the tree built, NaN where unseen
+    drafter.observe(tree, reach)                           # the realised P(u) of the tree's N+1 nodes (a list), NaN where unseen
     drafter.commit(committed_ids, committed_features)      # the root and the accepted path, now in the target cache
 
 `cheap` asks for a draft from the drafter's cheapest source only (for DFlash: prompt lookup without the
@@ -28,7 +28,7 @@ keeps its `memory()` on disk too.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
@@ -60,13 +60,14 @@ class Drafter(Protocol):
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
         """Starts a sequence. prompt_ids [L]; features [L-1, F] for prompt_ids[:-1] (the cached tokens)."""
 
-    def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> Any:
-        """Drafts up to `max_depth` future tokens after context_ids [L] (context_ids[-1] is the root)."""
+    def propose(self, context: Sequence[int], max_depth: int, cheap: bool = False) -> Any:
+        """Drafts up to `max_depth` future tokens after the context's L token ids (context[-1] is the root). The
+        decode loop keeps them on the host, so no drafter reads them back from the device."""
 
     def build(self, proposal: Any, root_token: int, budget: int) -> DraftTree:
         """Selects at most `budget` of the proposed tokens as a prefix-closed tree rooted at root_token."""
 
-    def observe(self, tree: DraftTree, reach: Tensor) -> None:
+    def observe(self, tree: DraftTree, reach: list[float]) -> None:
         """Learns from the tree just built: reach [N+1] holds each node's realised P(u) (Eq. 2), NaN for nodes
         the target's forward did not reveal (flow.observed_reach)."""
 

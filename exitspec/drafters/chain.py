@@ -51,8 +51,8 @@ class ChainDrafter:
     def begin(self, prompt_ids, features) -> None:
         self.inner.begin(prompt_ids, features)
 
-    def propose(self, context_ids, max_depth: int, cheap: bool = False):
-        return self.inner.propose(context_ids, max_depth, cheap)
+    def propose(self, context, max_depth: int, cheap: bool = False):
+        return self.inner.propose(context, max_depth, cheap)
 
     def build(self, proposal, root_token: int, budget: int) -> DraftTree:
         tree = self.inner.build(proposal, root_token, budget)
@@ -60,9 +60,8 @@ class ChainDrafter:
         while tree.children[node]:
             node = tree.children[node][0]
             spine.append(node)
-        chain = DraftTree.chain(root_token, tree.tokens[spine[1:]].tolist(), device=tree.device)
-        scores = None if tree.scores is None else tuple(tree.scores[u] for u in spine)
-        return DraftTree(chain.parents, chain.tokens, chain.depths, scores)
+        scores = None if tree.scores is None else [tree.scores[u] for u in spine]
+        return DraftTree.chain(root_token, [tree.token_list[u] for u in spine[1:]], tree.device, scores)
 
     def observe(self, tree: DraftTree, reach) -> None:
         pass  # the inner drafter calibrates on the trees it built, not on their spines

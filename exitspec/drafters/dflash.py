@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -165,7 +165,7 @@ class DFlashDrafter:
     def load_calibration(self, state: dict) -> None:
         self.merge.load_state(self.merge.setting, state)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
         """prompt_ids [L]; features [L-1, F] of prompt_ids[:-1]: the draft cache becomes exactly those."""
         self.cache.clear()
@@ -174,20 +174,18 @@ class DFlashDrafter:
         if self.suffix is not None:
             self.suffix.begin(prompt_ids.tolist())
 
-    @torch.no_grad()
-    def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> DFlashProposal:
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], max_depth: int, cheap: bool = False) -> DFlashProposal:
         """The block forward's marginals (unless `cheap`) and the lookup sources' proposals."""
-        lookup = None
-        if self.lookup is not None:
-            lookup = self.lookup.propose(context_ids[-self.lookup.orders :].tolist(), max_depth)
-        suffix = self.suffix.propose(context_ids.tolist(), max_depth, self.device) if self.suffix is not None else None
-        return DFlashProposal(None if cheap else self.marginals(context_ids, max_depth), suffix, lookup)
+        lookup = self.lookup.propose(context[-self.lookup.orders :], max_depth) if self.lookup is not None else None
+        suffix = self.suffix.propose(list(context), max_depth) if self.suffix is not None else None
+        return DFlashProposal(None if cheap else self.marginals(context, max_depth), suffix, lookup)
 
-    @torch.no_grad()
-    def marginals(self, context_ids: Tensor, max_depth: int) -> Tensor:
-        """Per-depth logits [H, V] (fp32), H = min(block_size−1, max_depth), for the tokens after context_ids[-1]."""
+    @torch.inference_mode()
+    def marginals(self, context: Sequence[int], max_depth: int) -> Tensor:
+        """Per-depth logits [H, V] (fp32), H = min(block_size−1, max_depth), for the tokens after context[-1]."""
         self._flush()
-        ctx_len = context_ids.numel() - 1
+        ctx_len = len(context) - 1
         if ctx_len != self.cache.length:
             raise RuntimeError(
                 f"the draft cache holds {self.cache.length} tokens but the context has {ctx_len} before its root; "
@@ -196,7 +194,7 @@ class DFlashDrafter:
         depth = min(self.block_size - 1, max_depth)
         if depth < 1:
             return torch.empty(0, self.vocab_size, device=self.device)
-        anchor = context_ids[-1:].to(self.device, torch.long)[None]  # [1, 1]
+        anchor = torch.tensor([[int(context[-1])]], device=self.device)  # [1, 1]
         block = self.model.block_embeddings(anchor, self.embed).to(self._dtype)  # [1, bs, D]
         positions = torch.arange(ctx_len, ctx_len + self.block_size, device=self.device)[None]  # [1, bs]
         ctx_k, ctx_v = self.cache.view()  # [layers, 1, Hkv, ctx_len, hd]
@@ -213,17 +211,17 @@ class DFlashDrafter:
         if proposal.marginals is not None and proposal.marginals.shape[0]:
             candidates["model"] = build_ddtree(proposal.marginals, root_token, budget)
         if proposal.lookup is not None:
-            candidates["lookup"] = self.lookup.tree(proposal.lookup, root_token, budget, self.device)
+            candidates["lookup"] = self.lookup.tree(proposal.lookup, root_token, budget)
         if proposal.suffix is not None:
             candidates |= self.suffix.trees(proposal.suffix, root_token)
         return self.merge.build(root_token, candidates, budget, self.device)
 
-    def observe(self, tree: DraftTree, reach: Tensor) -> None:
+    def observe(self, tree: DraftTree, reach: list[float]) -> None:
         """The realised reach probabilities P(u) [N+1] (NaN: unobserved) of the last tree built (Eq. 2)
         calibrate its sources."""
         self.merge.observe(tree, reach)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
         """committed_ids [n]: root + accepted path, now in the target cache; features [n, F] extend the draft
         cache. They are projected lazily, all at once, by the next block forward (cheap rounds skip it)."""

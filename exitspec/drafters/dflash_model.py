@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from exitspec.drafters.vocab import check_draft_vocab
+from exitspec.lean import rms_norm
 from exitspec.models import check_safetensors
 
 CONFIG_NAME = "config.json"
@@ -230,24 +231,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
-def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [B, T, hd] for integer positions [B, T] (half-split layout, as HF Llama/Qwen3), fp32 inside."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions[..., None].float() * inv_freq  # [B, T, hd/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [B, T, hd]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+def rope_table(positions: int, head_dim: int, theta: float, device) -> Tensor:
+    """[2, positions, hd] fp32: cos and the signed sin of every position (half-split layout, as HF Llama/Qwen3).
+    The sin's first half is negated, so a rotation is x·cos + roll(x, hd/2)·sin (apply_rope)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.arange(positions, device=device, dtype=torch.float32)[:, None] * inv_freq  # [P, hd/2]
+    sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])  # [hd]
+    angles = torch.cat([angles, angles], dim=-1)  # [P, hd]
+    return torch.stack([angles.cos(), angles.sin() * sign])
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, T, hd] rotated by cos, sin [B, T, hd]."""
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    """x [B, H, T, hd] rotated by cos, signed sin [B, 1, T, hd] (rope_table): x·cos + [−x2, x1]·|sin|."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class MLP(nn.Module):
@@ -331,6 +330,7 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.mask_token_id is None else None
+        self._rope_table: Tensor | None = None  # [2, max positions, hd] (rope_table), made on first use
         size = config.draft_vocab_size
         self.register_buffer("draft_vocab", None if size is None else torch.arange(size))  # [Vd] token ids, or None
 
@@ -416,9 +416,19 @@ class DFlashModel(nn.Module):
         """Target features [B, C, F] at positions [B, C] -> every layer's context keys and values,
         each [layers, B, Hkv, C, hd]. These are what the inference cache stores per committed token."""
         ctx = self.hidden_norm(self.fc(ctx_features))  # [B, C, D]
-        cos, sin = rope(ctx_positions, self.config.head_dim, self.config.rope_theta, ctx.dtype)
+        cos, sin = self.rope(ctx_positions, ctx.dtype)
         kv = [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, signed sin [B, 1, T, hd] of positions [B, T], read from a table of every position (made once)."""
+        table = self._rope_table
+        if table is None or table.device != positions.device:
+            cfg = self.config
+            table = self._rope_table = rope_table(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta,
+                                                  positions.device)
+        cos, sin = table[:, positions[:, None]].to(dtype)  # [2, B, 1, T, hd]
+        return cos, sin
 
     # -- forward passes ------------------------------------------------------------------------------------
 
@@ -430,7 +440,7 @@ class DFlashModel(nn.Module):
         block_embeds [B, T, D], block_positions [B, T], ctx_k / ctx_v [layers, B, Hkv, C, hd],
         mask [B, T, C+T] bool (True = may attend) or None = every query sees everything. Returns the
         final-normed hidden states [B, T, D]."""
-        cos, sin = rope(block_positions, self.config.head_dim, self.config.rope_theta, block_embeds.dtype)
+        cos, sin = self.rope(block_positions, block_embeds.dtype)
         attn_mask = None if mask is None else mask[:, None]  # [B, 1, T, C+T], shared by all heads
         x = block_embeds
         for i, layer in enumerate(self.layers):

@@ -8,10 +8,9 @@ Its nodes carry calibrated estimates of P(u) (calibrate.py), learned from the ro
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from exitspec.build import build_trie
@@ -21,11 +20,10 @@ from exitspec.tree import DraftTree
 
 @dataclass(frozen=True)
 class NgramProposal:
-    """Candidate continuations, best first, with their positive weights; `device` is where the tree goes."""
+    """Candidate continuations, best first, with their positive weights."""
 
     continuations: list[list[int]]
     weights: list[float]
-    device: torch.device
 
 
 class NgramDrafter:
@@ -65,18 +63,18 @@ class NgramDrafter:
     def memory(self) -> None:
         return None
 
-    def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> NgramProposal:
-        """Up to max_candidates continuations (each <= max_depth tokens) of earlier suffix matches in context_ids [L].
+    def propose(self, context: Sequence[int], max_depth: int, cheap: bool = False) -> NgramProposal:
+        """Up to max_candidates continuations (each <= max_depth tokens) of earlier suffix matches in the context's L tokens.
 
         A match starting the continuation at position e has length m = how many tokens before e equal the
         context's last tokens (at most max_ngram); matches with m >= min_ngram count. They rank by m, then by
         recency, and weigh m + e / L, so a longer match outweighs any shorter one and ties favour recent text.
         """
-        ctx = context_ids.tolist()  # [L]: a loop over a Python list beats a dozen tensor ops on a few hundred tokens
+        ctx = list(context)  # [L]: a loop over a Python list beats a dozen tensor ops on a few hundred tokens
         length = len(ctx)
         n = min(self.max_ngram, length - 1)
         if max_depth < 1 or n < self.min_ngram:
-            return NgramProposal([], [], context_ids.device)
+            return NgramProposal([], [])
 
         matches = []  # (m, e)
         for e in [i + 1 for i, token in enumerate(ctx[:-1]) if token == ctx[-1]]:  # e <= L-1: ctx[e-1] agrees
@@ -89,18 +87,18 @@ class NgramDrafter:
         matches = matches[: self.max_candidates]
         continuations = [ctx[e : e + max_depth] for _, e in matches]  # each stops where the context ends
         weights = [m + e / length for m, e in matches]
-        return NgramProposal(continuations, weights, context_ids.device)
+        return NgramProposal(continuations, weights)
 
     def trie(self, proposal: NgramProposal, root_token: int, budget: int) -> DraftTree:
         """The trie of the proposed continuations, cut to its `budget` heaviest nodes (root-only without matches)."""
-        return build_trie(root_token, proposal.continuations, proposal.weights, budget, device=proposal.device)
+        return build_trie(root_token, proposal.continuations, proposal.weights, budget)
 
     def build(self, proposal: NgramProposal, root_token: int, budget: int) -> DraftTree:
         """The trie's nodes ranked by their calibrated estimates of P(u), the best `budget` of them."""
         candidates = {"copy": self.trie(proposal, root_token, budget)} if proposal.continuations else {}
-        return self.merge.build(root_token, candidates, budget, proposal.device)
+        return self.merge.build(root_token, candidates, budget)
 
-    def observe(self, tree: DraftTree, reach: Tensor) -> None:
+    def observe(self, tree: DraftTree, reach: list[float]) -> None:
         """The realised reach probabilities P(u) [N+1] (NaN: unobserved) of the last tree built calibrate its
         estimates."""
         self.merge.observe(tree, reach)

@@ -82,7 +82,6 @@ class SuffixProposal:
 
     drafts: dict[str, tuple[list[int], list[int], list[float]]]
     max_depth: int
-    device: torch.device
 
 
 class SuffixMemory:
@@ -167,7 +166,7 @@ class SuffixSource:
         self.synced = 0
         self.sync(list(prompt_ids))
 
-    def propose(self, context: list[int], max_depth: int, device) -> SuffixProposal:
+    def propose(self, context: list[int], max_depth: int) -> SuffixProposal:
         """Each tree's best-first speculation after the context's last tokens (MAX_NODES nodes at most)."""
         self.sync(context)
         tail = context[-MAX_MATCH:]
@@ -179,7 +178,7 @@ class SuffixSource:
             draft = tree.speculate(tail, MAX_NODES, SPEC_FACTOR, 0.0, MIN_PROBABILITY, True)
             if draft.token_ids:
                 drafts[name] = (list(draft.parents), list(draft.token_ids), list(draft.probs))
-        return SuffixProposal(drafts, max_depth, device)
+        return SuffixProposal(drafts, max_depth)
 
     def learn(self, answer: Sequence[int]) -> None:
         if self.memory is not None:
@@ -198,10 +197,10 @@ class SuffixSource:
                 continue
             position = {i: k + 1 for k, i in enumerate(order)}
             tree_parents = [-1] + [0 if parents[i] < 0 else position[parents[i]] for i in order]
-            out[name] = DraftTree(
-                torch.tensor(tree_parents), torch.tensor([root_token] + [tokens[i] for i in order]),
-                torch.tensor([0] + [depth[i] for i in order]), (1.0, *(probs[i] for i in order)),
-            ).to(proposal.device)
+            out[name] = DraftTree.from_lists(
+                tree_parents, [root_token] + [tokens[i] for i in order], [0] + [depth[i] for i in order],
+                (1.0, *(probs[i] for i in order)),
+            )
         return out
 
     def sync(self, context: list[int]) -> None:
@@ -239,13 +238,13 @@ class SuffixDrafter:
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
         self.source.begin(prompt_ids.tolist())
 
-    def propose(self, context_ids: Tensor, max_depth: int, cheap: bool = False) -> SuffixProposal:
-        return self.source.propose(context_ids.tolist(), max_depth, context_ids.device)
+    def propose(self, context: Sequence[int], max_depth: int, cheap: bool = False) -> SuffixProposal:
+        return self.source.propose(list(context), max_depth)
 
     def build(self, proposal: SuffixProposal, root_token: int, budget: int) -> DraftTree:
-        return self.merge.build(root_token, self.source.trees(proposal, root_token), budget, proposal.device)
+        return self.merge.build(root_token, self.source.trees(proposal, root_token), budget)
 
-    def observe(self, tree: DraftTree, reach: Tensor) -> None:
+    def observe(self, tree: DraftTree, reach: list[float]) -> None:
         self.merge.observe(tree, reach)
 
     def commit(self, committed_ids: Tensor, features: Tensor | None) -> None:
