@@ -343,6 +343,8 @@ class SpeculativeDecoder:
             forward = target.forward_tree(tree, check=False)  # screened in `_read`
         with timer("verify"):
             rows = WarpedRows(forward.logits, rules.params, check=False)  # p_v, warped where a verifier reads it
+            cut = frontier(drafted, tree.size)  # nodes `auto` dropped whose parent it kept: their edges are seen too
+            rows.also_read([drafted.parent_list[u] for u in cut], [drafted.token_list[u] for u in cut])
             decision = DECIDERS[rules.verifier](tree, rows, rules.generator)
             verdict, coverage, reach = _read(target, forward, tree, drafted, rows, decision, rules.generator)
         with timer("commit"):
@@ -399,14 +401,13 @@ def _read(target: TargetModel, forward, tree: DraftTree, drafted: DraftTree, row
     """The round's one host read: the exit node and bonus, whether the logits are finite, C_p (Eq. 5), and the
     realised P(u) of the drafted tree's nodes as far as this forward shows them (flow.observed_reach), which
     the drafter's calibration learns from. Non-finite logits roll the cache back and raise."""
-    cut = frontier(drafted, tree.size)  # nodes `auto` dropped whose parent it kept: their edges are observed too
-    parents, tokens = drafted.parent_list, drafted.token_list
-    frontier_edges = rows.edges([parents[u] for u in cut], [tokens[u] for u in cut])  # [F]
-    finite = torch.isfinite(forward.logits.sum(dim=-1)).all()  # a NaN or ±inf logit makes its row's sum non-finite
+    total = forward.logits.sum()
+    finite = total * 0 == 0  # a NaN or ±inf logit makes the sum non-finite, and times 0 NaN
     flow = decision.flow
-    numbers = torch.cat([*decision.scalars(), finite.view(1), flow.coverage.view(1), flow.reach, frontier_edges])
-    numbers = numbers.tolist()  # float32 (the flow's dtype): token ids below 2^24 are exact
-    (node, bonus, drawable, ok, coverage), numbers = numbers[:5], numbers[5:]
+    scalars = torch.stack([decision.exit_node, decision.bonus, decision.drawable, finite])  # [4] int64
+    numbers = torch.cat([scalars, flow.reach, rows.extra_edges()]).tolist()  # float32: ids below 2^24 are exact
+    (node, bonus, drawable, ok), numbers = numbers[:4], numbers[4:]
+    coverage = sum(numbers[1 : tree.size])  # C_p = Σ_{u≠root} P(u) (Eq. 5)
     if not ok:
         target.reject(forward.logits, "node")
     verdict = decision.verdict(tree, rows, generator, int(node), int(bonus), bool(drawable))

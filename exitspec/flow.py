@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from exitspec.sampling import WarpedRows
@@ -34,7 +35,11 @@ class TreeFlow:
     child_mass: Tensor  # [..., M] Σ_children p_v(x_child)
     rho: Tensor  # [..., M] 1 − child_mass, clamped at 0 against rounding; 0 at padding
     exit: Tensor  # [..., M] w(v) = P(v) · rho(v)
-    coverage: Tensor  # [...] C_p(T)
+
+    @property
+    def coverage(self) -> Tensor:
+        """[...] C_p(T) = Σ_{u ≠ root} P(u) (Eq. 5)."""
+        return self.reach[..., 1:].sum(dim=-1)
 
 
 def tree_flow(tree: DraftTree | TreeBatch, probs: Tensor, check: bool = True) -> TreeFlow:
@@ -46,27 +51,26 @@ def tree_flow(tree: DraftTree | TreeBatch, probs: Tensor, check: bool = True) ->
         check_probs(tree, probs)
     parent_idx = tree.parents.clamp(min=0)  # [..., M]; the root points at itself, its edge is set to 1
     edge = probs.flatten(-2).gather(-1, parent_idx * probs.shape[-1] + tree.tokens)  # [..., M] Eq. 1
-    return edge_flow(tree, edge)
+    return edge_flow(tree, edge.index_fill(-1, torch.zeros(1, dtype=torch.long, device=edge.device), 1.0))
 
 
 def row_flow(tree: DraftTree, rows: WarpedRows) -> TreeFlow:
     """tree_flow of one tree from its parent nodes' rows only (WarpedRows.edges): a leaf's row is never read.
     The decode loop's path; the edges' indices come from the tree's host lists, so nothing is read back."""
     edge = rows.edges(tree.parent_list[1:], tree.token_list[1:])  # [N] Eq. 1
-    return edge_flow(tree, torch.cat([edge.new_ones(1), edge]))
+    return edge_flow(tree, F.pad(edge, (1, 0), value=1.0))  # the root's edge is 1
 
 
 def edge_flow(tree: DraftTree | TreeBatch, edge: Tensor) -> TreeFlow:
-    """The exit law (Eqs. 2–5) from the edge probabilities edge [..., M] = p_parent(u)(x_u) (root: any)."""
+    """The exit law (Eqs. 2–5) from the edge probabilities edge [..., M] = p_parent(u)(x_u), 1 at the root."""
     parent_idx = tree.parents.clamp(min=0)  # [..., M]
     padded = isinstance(tree, TreeBatch)  # a single tree has no padding to zero
-    edge = edge.index_fill(-1, torch.zeros(1, dtype=torch.long, device=edge.device), 1.0)
     edge = edge * tree.valid if padded else edge
     reach = torch.where(tree.ancestors, edge.unsqueeze(-2), 1.0).prod(dim=-1)  # [..., M] Eq. 2
     child_mass = torch.zeros_like(edge).scatter_add_(-1, parent_idx[..., 1:], edge[..., 1:])  # [..., M]
     rho = (1.0 - child_mass).clamp(min=0.0)  # Eq. 3
     rho = rho * tree.valid if padded else rho
-    return TreeFlow(edge, reach, child_mass, rho, reach * rho, reach[..., 1:].sum(dim=-1))
+    return TreeFlow(edge, reach, child_mass, rho, reach * rho)
 
 
 def frontier(tree: DraftTree, kept: int) -> list[int]:

@@ -134,6 +134,8 @@ class WarpedRows:
         self.logits, self.params = logits, params  # [N+1, V]
         self.plain = not (params.greedy or params.top_k or params.top_p < 1.0)  # temperature alone: p = softmax(l/T)
         self._all: Tensor | None = None
+        self._extra: tuple[list[int], list[int]] = ([], [])  # edges a later reader wants too (`also_read`)
+        self._extra_edges: Tensor | None = None
 
     @classmethod
     def of_probs(cls, probs: Tensor) -> WarpedRows:
@@ -149,10 +151,29 @@ class WarpedRows:
     def warp(self, logits: Tensor) -> Tensor:
         return target_probs(logits, self.params, check=False)
 
-    def edges(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
-        """p_row(token) [n] for host lists of row indices and tokens: the edge probabilities of Eq. 1.
+    def also_read(self, rows: list[int], tokens: list[int]) -> None:
+        """Edges that a later reader wants too (the decode loop's frontier, flow.frontier): the next `edges` call
+        reads them in the same pass, and `extra_edges` hands them over."""
+        self._extra, self._extra_edges = (rows, tokens), None
 
-        The indices go over in one copy. Each distinct row is read once. Without top-k or top-p,
+    def extra_edges(self) -> Tensor:
+        """[F] the edges named by `also_read`."""
+        if self._extra_edges is None:
+            self._extra_edges = self._edges(*self._extra)
+        return self._extra_edges
+
+    def edges(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
+        """p_row(token) [n] for host lists of row indices and tokens: the edge probabilities of Eq. 1 (and, in
+        the same pass, those of `also_read`)."""
+        if self._extra_edges is not None or not self._extra[0]:
+            return self._edges(rows, tokens)
+        n = len(rows)
+        both = self._edges([*rows, *self._extra[0]], [*tokens, *self._extra[1]])
+        self._extra_edges = both[n:]
+        return both[:n]
+
+    def _edges(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
+        """The indices go over in one copy. Each distinct row is read once. Without top-k or top-p,
         p_v(x) = exp(l_v(x)/T − logsumexp(l_v/T)): one reduction per row and nothing of width V written;
         otherwise the distinct rows are warped."""
         if not rows:
@@ -161,7 +182,7 @@ class WarpedRows:
         where = {v: i for i, v in enumerate(unique)}
         p, n = len(unique), len(rows)
         index = torch.tensor([*unique, *(where[v] for v in rows), *tokens], device=self.logits.device)
-        unique_rows, inverse, token_ids = index[:p], index[p : p + n], index[p + n :]
+        unique_rows, inverse, token_ids = index.split([p, n, n])
         if self._all is not None:
             return self._all[unique_rows[inverse], token_ids]
         selected = self.logits.index_select(0, unique_rows).float()  # [P, V]

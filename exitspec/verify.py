@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from exitspec.flow import TreeFlow, edge_flow, node_residual, row_flow, tree_flow
-from exitspec.sampling import SamplingParams, WarpedRows, sample_rows
+from exitspec.sampling import SamplingParams, WarpedRows, sample_cdf, sample_rows
 from exitspec.tree import DraftTree
 
 
@@ -57,14 +57,13 @@ class Decision:
     drawable: Tensor  # [] bool
     flow: TreeFlow
 
-    def scalars(self) -> list[Tensor]:
-        """Exit node, bonus and drawable as [1] tensors, for the round's one host read (torch.cat promotes them to
-        the flow's float32, where token ids below 2^24 are exact)."""
-        return [self.exit_node.view(1), self.bonus.view(1), self.drawable.view(1)]
+    def scalars(self) -> Tensor:
+        """[3] int64: exit node, bonus, drawable, for a host read."""
+        return torch.stack([self.exit_node, self.bonus, self.drawable])
 
     def read(self, tree: DraftTree, rows: WarpedRows, generator: torch.Generator | None) -> Verdict:
-        node, bonus, drawable = torch.cat(self.scalars()).double().tolist()
-        return self.verdict(tree, rows, generator, int(node), int(bonus), bool(drawable))
+        node, bonus, drawable = self.scalars().tolist()
+        return self.verdict(tree, rows, generator, node, bonus, bool(drawable))
 
     def verdict(self, tree, rows, generator, node: int, bonus: int, drawable: bool) -> Verdict:
         """The Verdict of host values read back from `scalars`; the rare redraw where the residual was empty."""
@@ -72,7 +71,7 @@ class Decision:
         while not drawable:
             exit_mass = exit_mass.index_fill(0, torch.tensor([node], device=exit_mass.device), 0.0)
             retry = _draw_exit(tree, rows, generator, exit_mass, self.flow)
-            node, bonus, drawable = (int(x) for x in torch.cat(retry.scalars()).double().tolist())
+            node, bonus, drawable = retry.scalars().tolist()
         return Verdict(tree.path(node), bonus)
 
 
@@ -87,9 +86,13 @@ def decide_tev(tree: DraftTree, rows: WarpedRows, generator: torch.Generator | N
 
 
 def _draw_exit(tree, rows: WarpedRows, generator, exit_mass: Tensor, flow: TreeFlow) -> Decision:
-    node = sample_rows(exit_mass, generator)  # [] v ~ w (never a node of zero mass)
+    # v ~ w by an exponential race: argmax_v w(v) / E_v with E_v ~ Exp(1) i.i.d. wins with probability w(v) / Σ w,
+    # and a node of zero mass never wins against one of positive mass
+    race = torch.empty_like(exit_mass).exponential_(generator=generator).clamp_(min=1e-30)  # [N+1], never 0
+    node = (exit_mass / race).argmax()  # []
     residual = rows.row(node) * child_free(tree, node, rows.vocab_size)  # [V] p_v without v's child tokens
-    return Decision(node, sample_rows(residual, generator), residual.sum() > 0, flow)
+    cdf = residual.cumsum(dim=0)  # [V]
+    return Decision(node, sample_cdf(cdf, generator), cdf[-1] > 0, flow)
 
 
 def child_free(tree: DraftTree, node: Tensor, vocab_size: int) -> Tensor:

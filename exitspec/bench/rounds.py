@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from exitspec.app import load_decoders
 from exitspec.decode import STAGE, STAGES, SpeculativeDecoder
+from exitspec.drafters import default_drafter
 
 aten = torch.ops.aten
 SHAPE_SYNC_OPS = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
@@ -146,9 +147,8 @@ def measure(model=None, drafter=None, device=None, dtype="auto", threads=None, b
     (bench/verifier.PROMPTS), each decoded for TOKENS tokens after an uncounted warm-up."""
     from exitspec.bench.verifier import PROMPTS
 
-    spec = str(drafter) if drafter else None
-    decoders = load_decoders(model, [spec] if spec else None, device, dtype, threads)
-    name, decoder = next(iter(decoders.items()))
+    spec = str(drafter or default_drafter(model))
+    decoder = load_decoders(model, [spec], device, dtype, threads)[spec]
     decoder.generate(PROMPTS[0], max_new_tokens=8, learn=False)  # one-time costs (the cost grid) stay uncounted
     rows = []
     for budget in budgets:
@@ -163,7 +163,7 @@ def measure(model=None, drafter=None, device=None, dtype="auto", threads=None, b
                     counts.merge(one)
                 rows.append({"budget": str(budget), "temperature": temperature, "verifier": verifier,
                              **counts.per_round()})
-    return {"drafter": name, "device": str(decoder.target.device), "tokens": TOKENS, "prompts": prompts,
+    return {"drafter": spec, "device": str(decoder.target.device), "tokens": TOKENS, "prompts": prompts,
             "rows": rows}
 
 

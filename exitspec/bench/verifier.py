@@ -249,7 +249,7 @@ def run(args) -> int:
     if args.stage == "round":
         result = rounds.measure(args.model, args.drafter, args.device, args.dtype, args.threads,
                                 [parse_budget(b) for b in args.round_budgets], args.temperatures or [0.0, 1.0], args.prompts)
-        rounds.print_table(result, Console())
+        rounds.print_table(result, Console(width=160))
         return _write_json(result, args.json)
     if args.stage == "suffix":
         result = suffix.measure(args.model, args.sizes or suffix.SIZES)

@@ -235,13 +235,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_table(positions: int, head_dim: int, theta: float, device) -> Tensor:
-    """[2, positions, hd] fp32: cos and the signed sin of every position (half-split layout, as HF Llama/Qwen3).
-    The sin's first half is negated, so a rotation is x·cos + roll(x, hd/2)·sin (apply_rope)."""
+    """[2, 1, 1, positions, hd] fp32: cos and the signed sin of every position (half-split layout, as HF
+    Llama/Qwen3). The sin's first half is negated, so a rotation is x·cos + roll(x, hd/2)·sin (apply_rope)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.arange(positions, device=device, dtype=torch.float32)[:, None] * inv_freq  # [P, hd/2]
     sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])  # [hd]
     angles = torch.cat([angles, angles], dim=-1)  # [P, hd]
-    return torch.stack([angles.cos(), angles.sin() * sign])
+    return torch.stack([angles.cos(), angles.sin() * sign])[:, None, None]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -292,10 +292,8 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k, v = self.project_kv(x, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, Hkv, C+T, hd]
-        rep = self.n_head // self.n_kv_head
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, H, C+T, hd]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, hd]
+        gqa = self.n_head > self.n_kv_head  # query heads h·g .. h·g+g−1 read KV head h
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)  # [B, H, T, hd]
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
 
 
@@ -330,7 +328,7 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.mask_token_id is None else None
-        self._rope_table: Tensor | None = None  # [2, max positions, hd] (rope_table), made on first use
+        self._rope_table: tuple[Tensor, Tensor] | None = None  # cos, sin [1, 1, max positions, hd], on first use
         size = config.draft_vocab_size
         self.register_buffer("draft_vocab", None if size is None else torch.arange(size))  # [Vd] token ids, or None
 
@@ -408,36 +406,41 @@ class DFlashModel(nn.Module):
         if self.mask_embedding is None:
             mask = embed.weight[self.config.mask_token_id]
         else:
-            mask = self.mask_embedding.to(anchors.dtype)
+            mask = self.mask_embedding if self.mask_embedding.dtype == anchors.dtype else self.mask_embedding.to(anchors.dtype)
         masks = mask.expand(b, n, self.block_size - 1, mask.shape[-1])
         return torch.cat([anchors[:, :, None], masks], dim=2).flatten(1, 2)
 
-    def context_kv(self, ctx_features: Tensor, ctx_positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Target features [B, C, F] at positions [B, C] -> every layer's context keys and values,
+    def context_kv(self, ctx_features: Tensor, ctx_positions: Tensor | range) -> tuple[Tensor, Tensor]:
+        """Target features [B, C, F] at positions [B, C] (or a range of C) -> every layer's context keys and values,
         each [layers, B, Hkv, C, hd]. These are what the inference cache stores per committed token."""
         ctx = self.hidden_norm(self.fc(ctx_features))  # [B, C, D]
         cos, sin = self.rope(ctx_positions, ctx.dtype)
         kv = [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
-    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, signed sin [B, 1, T, hd] of positions [B, T], read from a table of every position (made once)."""
-        table = self._rope_table
-        if table is None or table.device != positions.device:
+    def rope(self, positions: Tensor | range, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, signed sin [B, 1, T, hd] of positions [B, T], read from a table of every position (made once); a
+        range of T positions (one sequence, B = 1) reads a slice of it."""
+        table, device = self._rope_table, self.fc.weight.device
+        if table is None or table[0].device != device:
             cfg = self.config
-            table = self._rope_table = rope_table(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta,
-                                                  positions.device)
-        cos, sin = table[:, positions[:, None]].to(dtype)  # [2, B, 1, T, hd]
-        return cos, sin
+            table = rope_table(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, device)
+            table = self._rope_table = (table[0], table[1])  # [1, 1, P, hd] each
+        if isinstance(positions, range):
+            cos, sin = (t[:, :, positions.start : positions.stop] for t in table)  # [1, 1, T, hd] each: views
+        else:
+            cos, sin = (t[0, 0, positions[:, None]] for t in table)  # [B, 1, T, hd] each
+        return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
     # -- forward passes ------------------------------------------------------------------------------------
 
     def decode(
-        self, block_embeds: Tensor, block_positions: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor | None = None
+        self, block_embeds: Tensor, block_positions: Tensor | range, ctx_k: Tensor, ctx_v: Tensor,
+        mask: Tensor | None = None,
     ) -> Tensor:
         """The layer stack over block tokens given projected context K/V (from `context_kv` or a cache).
 
-        block_embeds [B, T, D], block_positions [B, T], ctx_k / ctx_v [layers, B, Hkv, C, hd],
+        block_embeds [B, T, D], block_positions [B, T] (or a range of T), ctx_k / ctx_v [layers, B, Hkv, C, hd],
         mask [B, T, C+T] bool (True = may attend) or None = every query sees everything. Returns the
         final-normed hidden states [B, T, D]."""
         cos, sin = self.rope(block_positions, block_embeds.dtype)
