@@ -7,6 +7,7 @@ drains the queue and each op is a launch, so a change that adds either to the ro
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from exitspec.bench.rounds import ROUND_STAGES, count_rounds
 from exitspec.budget import CostModel
@@ -14,7 +15,6 @@ from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.target import TargetModel
-from tiny_models import tiny_llama
 
 VOCAB = 48
 PROMPT = [3, 9, 4, 1, 7, 2, 6, 9, 4, 1, 7, 2, 6, 5]
