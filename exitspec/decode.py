@@ -1,10 +1,13 @@
 """The decode loop: draft → build → one target forward over the tree → verify → commit, round after round.
 
-    context ids ─ drafter.propose ─▶ proposal ─ drafter.build ─▶ DraftTree (≤ B nodes)
+    context ids ─ drafter.propose ─▶ proposal ─ drafter.build ─▶ DraftTree (≤ B nodes, made on the host)
         ─ target.forward_tree ─▶ logits [N+1, V] (+ features) ─ WarpedRows: p_v, warped as a verifier reads it
-        ─ verifier ─▶ Verdict(path, bonus) ─ target.commit(path), drafter.commit(...) ─▶ stream tokens
+        ─ verifier ─▶ Decision (on the device) ─ _read: the round's one host read ─▶ Verdict(path, bonus)
+        ─ target.commit(path), drafter.commit(...) ─▶ stream tokens
 
-The target's KV cache holds every committed token but the last, which roots the next tree. Each round
+The host keeps the context's token ids and every tree's structure, so nothing else in a round waits for the
+device (bench/rounds.py counts it). The target's KV cache holds every committed token but the last, which
+roots the next tree. Each round
 emits the accepted draft tokens plus one bonus token, so a round never emits less than autoregressive
 decoding does. `generate_autoregressive` is the plain one-token-per-step loop on the same backend: the
 baseline for the speedup ratio (SR). All timing lives here, in `StageTimer`.

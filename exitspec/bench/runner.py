@@ -401,7 +401,7 @@ def environment(model: str | Path | None, runner: Runner, drafters: list[str], l
     return EnvRow(
         created=datetime.datetime.now().isoformat(timespec="seconds"),
         device=device.type,
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         dtype=str(runner.hf_model.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
         torch=torch.__version__,
@@ -442,7 +442,7 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
