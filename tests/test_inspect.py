@@ -19,7 +19,7 @@ from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 
 PROMPT = "5 6 7 8 5 6 7 8 5 6"
-ROUNDS, BUDGET, TEMPERATURE, SEED = 4, 6, 0.8, 1
+ROUNDS, BUDGET, TEMPERATURE, SEED = 8, 6, 0.8, 1
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -234,14 +234,14 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_table(positions: int, head_dim: int, theta: float, device) -> Tensor:
-    """[2, 1, 1, positions, hd] fp32: cos and the signed sin of every position (half-split layout, as HF
-    Llama/Qwen3). The sin's first half is negated, so a rotation is x·cos + roll(x, hd/2)·sin (apply_rope)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.arange(positions, device=device, dtype=torch.float32)[:, None] * inv_freq  # [P, hd/2]
+def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and the signed sin [..., hd] fp32 of integer positions [...] (half-split layout, as HF Llama/Qwen3).
+    The sin's first half is negated, so a rotation is x·cos + roll(x, hd/2)·sin (apply_rope)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions[..., None].float() * inv_freq  # [..., hd/2]
     sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])  # [hd]
-    angles = torch.cat([angles, angles], dim=-1)  # [P, hd]
-    return torch.stack([angles.cos(), angles.sin() * sign])[:, None, None]
+    angles = torch.cat([angles, angles], dim=-1)  # [..., hd]
+    return angles.cos(), angles.sin() * sign
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -328,7 +328,7 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.mask_token_id is None else None
-        self._rope_table: tuple[Tensor, Tensor] | None = None  # cos, sin [1, 1, max positions, hd], on first use
+        self._rope_table: tuple[Tensor, Tensor] | None = None  # cos, sin [1, 1, P, hd] (`rope`), on first use
         size = config.draft_vocab_size
         self.register_buffer("draft_vocab", None if size is None else torch.arange(size))  # [Vd] token ids, or None
 
@@ -419,17 +419,18 @@ class DFlashModel(nn.Module):
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
     def rope(self, positions: Tensor | range, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, signed sin [B, 1, T, hd] of positions [B, T], read from a table of every position (made once); a
-        range of T positions (one sequence, B = 1) reads a slice of it."""
-        table, device = self._rope_table, self.fc.weight.device
-        if table is None or table[0].device != device:
-            cfg = self.config
-            table = rope_table(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, device)
-            table = self._rope_table = (table[0], table[1])  # [1, 1, P, hd] each
-        if isinstance(positions, range):
-            cos, sin = (t[:, :, positions.start : positions.stop] for t in table)  # [1, 1, T, hd] each: views
+        """cos, signed sin [B, 1, T, hd] of positions [B, T]; a range of T positions (one sequence, B = 1, the
+        decode loop's) is a slice of a table made once and grown by doubling, the same numbers without the ops."""
+        cfg = self.config
+        if not isinstance(positions, range):
+            cos, sin = rope(positions[:, None], cfg.head_dim, cfg.rope_theta)  # [B, 1, T, hd] each
         else:
-            cos, sin = (t[0, 0, positions[:, None]] for t in table)  # [B, 1, T, hd] each
+            table, device = self._rope_table, self.fc.weight.device
+            if table is None or table[0].device != device or table[0].shape[2] < positions.stop:
+                size = max(positions.stop, 2 * (0 if table is None else table[0].shape[2]), 1024)
+                table = self._rope_table = tuple(t[None, None] for t in rope(torch.arange(size, device=device),
+                                                                             cfg.head_dim, cfg.rope_theta))
+            cos, sin = (t[:, :, positions.start : positions.stop] for t in table)  # [1, 1, T, hd] each: views
         return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
     # -- forward passes ------------------------------------------------------------------------------------
