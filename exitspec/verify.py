@@ -65,7 +65,8 @@ class Decision:
         node, bonus, drawable = self.scalars().tolist()
         return self.verdict(tree, rows, generator, node, bonus, bool(drawable))
 
-    def verdict(self, tree, rows, generator, node: int, bonus: int, drawable: bool) -> Verdict:
+    def verdict(self, tree: DraftTree, rows: WarpedRows, generator: torch.Generator | None, node: int, bonus: int,
+                drawable: bool) -> Verdict:
         """The Verdict of host values read back from `scalars`; the rare redraw where the residual was empty."""
         exit_mass = self.flow.exit
         while not drawable:

@@ -81,6 +81,8 @@ class RoundCounts:
             "syncs_total": sum(syncs.values()),
             "sites": [{"stage": stage, "site": site, "what": what, "per_round": count / n}
                       for (stage, site, what), count in self.sites.most_common()],
+            "op_names": {s: {op: count / n for (stage, op), count in self.op_names.most_common() if stage == s}
+                         for s in ROUND_STAGES},  # which ops make up each stage's count
         }
 
 
