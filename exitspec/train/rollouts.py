@@ -31,6 +31,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from exitspec.jsonfiles import read_json, read_jsonl
 from exitspec.models import write_atomic
 from exitspec.train.generate import LOOP_SPANS, generate_responses
 
@@ -123,11 +124,9 @@ def load_rollouts(folder: str | Path) -> list[Rollout]:
     rollouts = {}
     for shard in shards:
         prefix = shard.parent.relative_to(folder).as_posix()
-        with shard.open(encoding="utf-8") as f:
-            for line in f:
-                r = json.loads(line)
-                key = r["id"] if prefix == "." else f"{prefix}/{r['id']}"
-                rollouts[key] = Rollout(key, r["prompt_ids"], r["response_ids"])
+        for r in read_jsonl(shard):
+            key = r["id"] if prefix == "." else f"{prefix}/{r['id']}"
+            rollouts[key] = Rollout(key, r["prompt_ids"], r["response_ids"])
     return [rollouts[k] for k in sorted(rollouts)]
 
 
@@ -137,15 +136,13 @@ def summarize_rollouts(folder: str | Path) -> dict:
     tokens the loop cut removed; a small model's loops mostly do run to the cap)."""
     counts = {"rollouts": 0, "response_tokens": 0, "looped": 0, "loop_tokens_cut": 0}
     for meta in Path(folder).rglob(META_NAME):  # one rollout folder each, with its own cap
-        cap = json.loads(meta.read_text())["max_new_tokens"]
+        cap = read_json(meta)["max_new_tokens"]
         for shard in meta.parent.glob(SHARD_GLOB):
-            with shard.open(encoding="utf-8") as f:
-                for line in f:
-                    r = json.loads(line)
-                    counts["rollouts"] += 1
-                    counts["response_tokens"] += len(r["response_ids"])
-                    counts["looped"] += bool(r.get("looped"))
-                    counts["loop_tokens_cut"] += cap - len(r["response_ids"]) if r.get("looped") else 0
+            for r in read_jsonl(shard):
+                counts["rollouts"] += 1
+                counts["response_tokens"] += len(r["response_ids"])
+                counts["looped"] += bool(r.get("looped"))
+                counts["loop_tokens_cut"] += cap - len(r["response_ids"]) if r.get("looped") else 0
     return counts
 
 
@@ -153,8 +150,7 @@ def done_ids(folder: str | Path) -> set[str]:
     """Ids of the prompts that already have a rollout in `folder`."""
     ids = set()
     for shard in Path(folder).glob(SHARD_GLOB):
-        with shard.open(encoding="utf-8") as f:
-            ids.update(json.loads(line)["id"] for line in f)
+        ids.update(r["id"] for r in read_jsonl(shard))
     return ids
 
 
