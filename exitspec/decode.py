@@ -31,7 +31,7 @@ from exitspec.drafters import Drafter, default_drafter
 from exitspec.flow import frontier, observed_reach
 from exitspec.options import budget_cap, parse_budget
 from exitspec.sampling import SamplingParams, WarpedRows
-from exitspec.target import TargetModel, synchronize
+from exitspec.target import TargetModel, all_finite, synchronize
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS, Decision, Verdict, check_verifier
 from exitspec.warm import WarmStart
@@ -404,10 +404,8 @@ def _read(target: TargetModel, forward, tree: DraftTree, drafted: DraftTree, row
     """The round's one host read: the exit node and bonus, whether the logits are finite, C_p (Eq. 5), and the
     realised P(u) of the drafted tree's nodes as far as this forward shows them (flow.observed_reach), which
     the drafter's calibration learns from. Non-finite logits roll the cache back and raise."""
-    total = forward.logits.sum()
-    finite = total * 0 == 0  # a NaN or ±inf logit makes the sum non-finite, and times 0 NaN
     flow = decision.flow
-    scalars = torch.stack([decision.exit_node, decision.bonus, decision.drawable, finite])  # [4] int64
+    scalars = torch.stack([decision.exit_node, decision.bonus, decision.drawable, all_finite(forward.logits)])  # [4]
     numbers = torch.cat([scalars, flow.reach, rows.extra_edges()]).tolist()  # float32: ids below 2^24 are exact
     (node, bonus, drawable, ok), numbers = numbers[:4], numbers[4:]
     coverage = sum(numbers[1 : tree.size])  # C_p = Σ_{u≠root} P(u) (Eq. 5)

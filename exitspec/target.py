@@ -40,6 +40,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def all_finite(logits: Tensor) -> Tensor:
+    """[] bool on the device: no NaN or ±inf in logits [n, V]. Either makes the sum non-finite (so would finite
+    logits summing past ±3e38), and a non-finite sum times 0 is NaN."""
+    return logits.sum() * 0 == 0
+
+
 @dataclass(frozen=True)
 class TreeForward:
     logits: Tensor  # [n, V] float32, one row per input token (tree node)
@@ -284,8 +290,7 @@ class TargetModel:
         the error), non-finite logits roll the cache back and raise.
         """
         logits, taps = self.backend.forward(ids, pos, visible, logits_to_keep)  # [n, V] float32, [n, D] each
-        # a NaN or ±inf logit makes its row's sum non-finite (so would finite logits summing past ±3e38)
-        if check is not None and not bool(torch.isfinite(logits.sum(dim=-1)).all()):
+        if check is not None and not bool(all_finite(logits)):
             self.reject(logits, check)
         features = torch.cat(taps, dim=-1) if taps else None  # [n, F]
         return TreeForward(logits, features)

@@ -41,6 +41,20 @@ def bushy_tree(size: int, root: int, vocab: int, device) -> DraftTree:
     return DraftTree(*(torch.tensor(x, dtype=torch.long) for x in (parents, tokens, depths))).to(device)
 
 
+def target_stage_seconds(target: TargetModel, tree: DraftTree) -> float:
+    """Seconds of one target stage over `tree` (forward_tree + commit of the root), device-synchronised; the
+    cache is then cut back to what it held, so every measurement sees the same context."""
+    context = target.cache_len
+    synchronize(target.device)
+    start = time.perf_counter()
+    target.forward_tree(tree)
+    target.commit(tree, [])
+    synchronize(target.device)
+    seconds = time.perf_counter() - start
+    target.truncate(context)
+    return seconds
+
+
 def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, context=300, repeats=7) -> dict:
     """Median seconds of forward_tree + commit per (backend, shape, N), alternating the backends."""
     decoder = next(iter(load_decoders(model, ["ngram"], device, dtype, threads, budgets=[max(sizes)]).values()))
@@ -64,13 +78,7 @@ def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, co
                         tree = DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=target.device)
                     else:
                         tree = bushy_tree(n, 1, target.vocab_size, target.device)
-                    synchronize(target.device)
-                    start = time.perf_counter()
-                    target.forward_tree(tree)
-                    target.commit(tree, [])
-                    synchronize(target.device)
-                    times[b, shape, n].append(time.perf_counter() - start)
-                    target.truncate(context)
+                    times[b, shape, n].append(target_stage_seconds(target, tree))
     rows = []
     for n in sizes:
         for shape in ("chain", "tree"):

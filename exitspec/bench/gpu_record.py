@@ -22,20 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from exitspec.bench import verifier
-from exitspec.bench.forward import bushy_tree
+from exitspec.bench.forward import bushy_tree, target_stage_seconds
 from exitspec.bench.rounds import count_rounds
 from exitspec.bench.runner import cpu_name
 from exitspec.decode import SpeculativeDecoder, generate_autoregressive
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.dflash_model import DFlashModel
-from exitspec.target import TargetModel, synchronize
+from exitspec.target import TargetModel
 
 QWEN3 = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
          "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096}
@@ -74,13 +73,7 @@ def forward_cost(target: TargetModel, sizes=SIZES, repeats: int = 5) -> list[dic
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats + 1):  # the first pass warms up
         for n in sizes:
-            tree = bushy_tree(n, 1, target.vocab_size, target.device)
-            synchronize(target.device)
-            start = time.perf_counter()
-            target.forward_tree(tree)
-            target.commit(tree, [])
-            synchronize(target.device)
-            times[n].append(time.perf_counter() - start)
+            times[n].append(target_stage_seconds(target, bushy_tree(n, 1, target.vocab_size, target.device)))
     step = statistics.median(times[0][1:])
     return [{"n": n, "ms": 1e3 * statistics.median(times[n][1:]), "steps": statistics.median(times[n][1:]) / step}
             for n in sizes]
