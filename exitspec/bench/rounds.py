@@ -6,7 +6,8 @@ On a GPU every torch op is a kernel launch (≈ 5–10 µs of CPU), and every ho
 the queue, so the launches of the next stage cannot hide behind the work already queued. Both can be counted
 on any device, CPU included, by watching the code run:
 
-    ops     every aten op dispatched (a TorchDispatchMode), by stage: draft, build, target, verify, commit, and
+    ops     every aten op dispatched (a TorchDispatchMode) but those that hand back their input untouched (x.to of
+            x's own dtype), by stage: draft, build, target, verify, commit, and
             loop (the round's bookkeeping between them, decode.StageTimer.round)
     syncs   every host read of a tensor on the decoder's device: .item(), bool(t), int(t), float(t), .tolist(),
             .numpy(), .cpu(), .to("cpu"), and the ops whose output shape depends on the data (nonzero,
@@ -113,16 +114,18 @@ class _Ops(TorchDispatchMode):
         self.counts, self.device = counts, device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         stage = STAGE.get()
         if stage is not None:
-            self.counts.ops[stage] += 1
-            self.counts.op_names[stage, func.__name__] += 1
+            if out is not (args[0] if args else None) or func._schema.is_mutable:  # a no-op (x.to(x.dtype)) is not
+                self.counts.ops[stage] += 1
+                self.counts.op_names[stage, func.__name__] += 1
             bool_index = func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
             if func in SHAPE_SYNC_OPS or bool_index:
                 self.counts.syncs[stage] += 1
                 self.counts.sites[stage, call_site(), "boolean index" if bool_index else func.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def _is_cpu(value) -> bool:

@@ -195,16 +195,14 @@ class DFlashDrafter:
         if depth < 1:
             return torch.empty(0, self.vocab_size, device=self.device)
         anchor = torch.tensor([[int(context[-1])]], device=self.device)  # [1, 1]
-        block = self.model.block_embeddings(anchor, self.embed)  # [1, bs, D] in the target's dtype
-        block = block if block.dtype == self._dtype else block.to(self._dtype)
+        block = self.model.block_embeddings(anchor, self.embed).to(self._dtype)  # [1, bs, D]
         positions = range(ctx_len, ctx_len + self.block_size)  # the block's bs slots
         ctx_k, ctx_v = self.cache.view()  # [layers, 1, Hkv, ctx_len, hd]
         window = self.model.config.context_window
         if window is not None and ctx_len > window:
             ctx_k, ctx_v = ctx_k[:, :, :, -window:], ctx_v[:, :, :, -window:]
         hidden = self.model.decode(block, positions, ctx_k, ctx_v)  # [1, bs, D]
-        logits = self.head.expand(self.head(hidden[0, 1 : 1 + depth]))  # [H, V]
-        return logits if logits.dtype == torch.float32 else logits.float()
+        return self.head.expand(self.head(hidden[0, 1 : 1 + depth])).float()  # [H, V]
 
     def build(self, proposal: DFlashProposal, root_token: int, budget: int) -> DraftTree:
         """The `budget` best nodes of the DDTree over the marginals (the most probable prefixes), the suffix

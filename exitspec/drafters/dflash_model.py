@@ -246,7 +246,7 @@ def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, T, hd] rotated by cos, signed sin [B, 1, T, hd] (rope_table): x·cos + [−x2, x1]·|sin|."""
+    """x [B, H, T, hd] rotated by cos, signed sin [B, 1, T, hd] (`rope`): x·cos + [−x2, x1]·|sin|."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
@@ -407,7 +407,7 @@ class DFlashModel(nn.Module):
         if self.mask_embedding is None:
             mask = embed.weight[self.config.mask_token_id]
         else:
-            mask = self.mask_embedding if self.mask_embedding.dtype == anchors.dtype else self.mask_embedding.to(anchors.dtype)
+            mask = self.mask_embedding.to(anchors.dtype)
         masks = mask.expand(b, n, self.block_size - 1, mask.shape[-1])
         return torch.cat([anchors[:, :, None], masks], dim=2).flatten(1, 2)
 
@@ -432,7 +432,7 @@ class DFlashModel(nn.Module):
                 table = self._rope_table = tuple(t[None, None] for t in rope(torch.arange(size, device=device),
                                                                              cfg.head_dim, cfg.rope_theta))
             cos, sin = (t[:, :, positions.start : positions.stop] for t in table)  # [1, 1, T, hd] each: views
-        return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
+        return cos.to(dtype), sin.to(dtype)
 
     # -- forward passes ------------------------------------------------------------------------------------
 

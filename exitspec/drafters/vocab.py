@@ -57,7 +57,7 @@ class DraftHead:
 
     def __call__(self, hidden: Tensor) -> Tensor:
         """hidden [..., D] -> logits [..., Vd] (or [..., V] without a draft vocabulary), in the head's dtype."""
-        hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
+        hidden = hidden.to(self.dtype)
         if self.panels is not None and hidden.dim() == 2:
             return self.panels(hidden, self.bias)
         return F.linear(hidden, self.weight, self.bias)
