@@ -76,7 +76,7 @@ def build_ddtree(log_marginals: Tensor, root_token: int, budget: int, top_k: int
             child_score = score + step_logp[d][0]
             heapq.heappush(heap, (-child_score, next(push_order), d + 1, 0, node, score))
 
-    return _validated_tree(parents, tokens, depths, device, [math.exp(x) for x in scores])
+    return DraftTree.from_lists(parents, tokens, depths, [math.exp(x) for x in scores], device)
 
 
 def build_trie(
@@ -130,7 +130,7 @@ def build_trie(
         for child in children[trie_node].values():
             heapq.heappush(heap, (-trie_weights[child], next(push_order), child, node))
 
-    return _validated_tree(parents, tokens, depths, device, scores)
+    return DraftTree.from_lists(parents, tokens, depths, scores, device)
 
 
 def build_best_first(
@@ -162,7 +162,7 @@ def build_best_first(
         parents.append(parent), tokens.append(token), depths.append(depths[parent] + 1), scores.append(-neg_score)
         paths.append(paths[parent] + (token,))
         push_children(node)
-    return _validated_tree(parents, tokens, depths, device, scores)
+    return DraftTree.from_lists(parents, tokens, depths, scores, device)
 
 
 def merge_best_first(
@@ -197,13 +197,9 @@ def merge_best_first(
         estimates[m] = min(estimates[m], estimates[parents[m]])
     order = [0, *sorted(range(1, len(parents)), key=lambda m: -estimates[m])[:budget]]
     position = {m: i for i, m in enumerate(order)}
-    tree = _validated_tree(
+    tree = DraftTree.from_lists(
         [-1] + [position[parents[m]] for m in order[1:]], [tokens[m] for m in order],
-        [depths[m] for m in order], device, [estimates[m] for m in order],
+        [depths[m] for m in order], [estimates[m] for m in order], device,
     )
     return tree, [origins[m] for m in order]
 
-
-def _validated_tree(parents: list[int], tokens: list[int], depths: list[int], device, scores=None) -> DraftTree:
-    """The tree, validated on the host as it is made, then copied to `device` once per field (DraftTree.from_lists)."""
-    return DraftTree.from_lists(parents, tokens, depths, scores, device)

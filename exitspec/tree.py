@@ -39,7 +39,7 @@ class DraftTree:
 
     @classmethod
     def from_lists(cls, parents: list[int], tokens: list[int], depths: list[int], scores=None, device=None) -> DraftTree:
-        """A tree made on the host: validated on the lists, then copied to `device` once per field (no sync)."""
+        """A tree made on the host: validated on the lists, then copied to `device` in one copy (no sync back)."""
         lists = (list(parents), [int(t) for t in tokens], list(depths))
         fields = torch.tensor(lists, dtype=torch.long, device=device).unbind()  # one copy: [3, N+1]
         return cls(*fields, None if scores is None else tuple(scores), lists)
