@@ -301,7 +301,7 @@ def _add_latency(p: argparse.ArgumentParser) -> None:
                    help="--stage round: budgets (B or auto[:B])")
     p.add_argument("--temperatures", type=real(), nargs="+", help="default: 1 0.6 (--stage round: 0 1)")
     p.add_argument("--top-p", type=real(0.0, 1.0, low_open=True), default=1.0)
-    p.add_argument("--prompts", type=integer(1), default=4, help="trees per budget (at most 8 with a model: the built-in prompts)")
+    p.add_argument("--prompts", type=integer(1), default=4, help="trees per budget (at most 8 with a model: the built-in prompts); --stage round: prompts decoded")
     p.add_argument("--depth", type=integer(1), default=16, help="draft horizon H")
     p.add_argument("--repeats", type=integer(1), default=50)
     p.add_argument("--warmup", type=integer(0), default=5)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,15 +147,14 @@ VERIFIERS = ("tev", "greedy", "predraw", "sequential")  # greedy only at tempera
 TOKENS = 64  # new tokens a prompt is decoded for
 
 
-def measure(model=None, drafter=None, device=None, dtype="auto", threads=None, budgets=("32", "auto"),
-            temperatures=(0.0, 1.0), prompts=2, verifiers=VERIFIERS) -> dict:
-    """Per (budget, temperature, verifier): ops and syncs per round over the first `prompts` built-in prompts
-    (bench/verifier.PROMPTS), each decoded for TOKENS tokens after an uncounted warm-up."""
-    from exitspec.bench.verifier import PROMPTS
+def measure(prompts: Sequence[str], model=None, drafter=None, device=None, dtype="auto", threads=None,
+            budgets=("32", "auto"), temperatures=(0.0, 1.0), verifiers=VERIFIERS) -> dict:
+    """Per (budget, temperature, verifier): ops and syncs per round over `prompts`, each decoded for TOKENS
+    tokens after an uncounted warm-up."""
 
     spec = str(drafter or default_drafter(model))
     decoder = load_decoders(model, [spec], device, dtype, threads)[spec]
-    decoder.generate(PROMPTS[0], max_new_tokens=8, learn=False)  # one-time costs (the cost grid) stay uncounted
+    decoder.generate(prompts[0], max_new_tokens=8, learn=False)  # one-time costs (the cost grid) stay uncounted
     rows = []
     for budget in budgets:
         for temperature in temperatures:
@@ -162,13 +162,13 @@ def measure(model=None, drafter=None, device=None, dtype="auto", threads=None, b
                 if verifier == "greedy" and temperature:
                     continue
                 counts = RoundCounts()
-                for prompt in PROMPTS[:prompts]:
+                for prompt in prompts:
                     one, _ = count_rounds(decoder, prompt, max_new_tokens=TOKENS, budget=budget,
                                           temperature=temperature, verifier=verifier, learn=False)
                     counts.merge(one)
                 rows.append({"budget": str(budget), "temperature": temperature, "verifier": verifier,
                              **counts.per_round()})
-    return {"drafter": spec, "device": str(decoder.target.device), "tokens": TOKENS, "prompts": prompts,
+    return {"drafter": spec, "device": str(decoder.target.device), "tokens": TOKENS, "prompts": len(prompts),
             "rows": rows}
 
 

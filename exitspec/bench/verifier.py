@@ -247,8 +247,8 @@ def print_tables(result: dict, console: Console) -> None:
 def run(args) -> int:
     """`exitspec latency`: measures, prints the tables and with --json writes the results."""
     if args.stage == "round":
-        result = rounds.measure(args.model, args.drafter, args.device, args.dtype, args.threads,
-                                [parse_budget(b) for b in args.round_budgets], args.temperatures or [0.0, 1.0], args.prompts)
+        result = rounds.measure(PROMPTS[: args.prompts], args.model, args.drafter, args.device, args.dtype, args.threads,
+                                [parse_budget(b) for b in args.round_budgets], args.temperatures or [0.0, 1.0])
         rounds.print_table(result, Console(width=160))
         return _write_json(result, args.json)
     if args.stage == "suffix":
