@@ -405,8 +405,8 @@ def _read(target: TargetModel, forward, tree: DraftTree, drafted: DraftTree, row
     realised P(u) of the drafted tree's nodes as far as this forward shows them (flow.observed_reach), which
     the drafter's calibration learns from. Non-finite logits roll the cache back and raise."""
     flow = decision.flow
-    scalars = torch.stack([decision.exit_node, decision.bonus, decision.drawable, all_finite(forward.logits)])  # [4]
-    numbers = torch.cat([scalars, flow.reach, rows.extra_edges()]).tolist()  # float32: ids below 2^24 are exact
+    numbers = torch.cat([decision.scalars(), all_finite(forward.logits).view(1), flow.reach, rows.extra_edges()])
+    numbers = numbers.tolist()  # float32: token ids below 2^24 are exact
     (node, bonus, drawable, ok), numbers = numbers[:4], numbers[4:]
     coverage = sum(numbers[1 : tree.size])  # C_p = Σ_{u≠root} P(u) (Eq. 5)
     if not ok:
