@@ -22,9 +22,9 @@ from rich.console import Console
 from rich.table import Table
 
 from exitspec.app import load_decoders
-from exitspec.budget import chain_runs, fastest
+from exitspec.budget import chain_runs, fastest, timings
 from exitspec.lean import supports
-from exitspec.target import TargetModel, synchronize
+from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
@@ -42,17 +42,15 @@ def bushy_tree(size: int, root: int, vocab: int, device) -> DraftTree:
 
 
 def target_stage_seconds(target: TargetModel, tree: DraftTree) -> float:
-    """Seconds of one target stage over `tree` (forward_tree + commit of the root), device-synchronised; the
-    cache is then cut back to what it held, so every measurement sees the same context."""
+    """Seconds of one target stage over `tree` (forward_tree + commit of the root), device-synchronised
+    (budget.timings); the cache is then cut back, untimed, so every measurement sees the same context."""
     context = target.cache_len
-    synchronize(target.device)
-    start = time.perf_counter()
-    target.forward_tree(tree)
-    target.commit(tree, [])
-    synchronize(target.device)
-    seconds = time.perf_counter() - start
-    target.truncate(context)
-    return seconds
+
+    def verify_nothing() -> None:
+        target.forward_tree(tree)
+        target.commit(tree, [])
+
+    return timings(verify_nothing, 1, target.device, reset=lambda: target.truncate(context))[0]
 
 
 def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, context=300, repeats=7) -> dict:
