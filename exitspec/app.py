@@ -7,7 +7,8 @@
         ─ the command; a user error ends as one line on stderr and exit code 2 (options.run_command)
 
 Every command that decodes (generate, inspect, bench, latency, train eval) gets its decoders from
-`load_decoders`; `exitspec.load_decoders` is also the library's way to build one.
+`load_decoders`; `exitspec.app.load_decoders` is also the library's way to build one (or
+`SpeculativeDecoder.from_pretrained` and, over a loaded transformers model, `from_model`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from exitspec import setup_cpu
 from exitspec.budget import DENSE
@@ -57,7 +59,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def load_decoders(
-    model: str | Path | None,
+    model: str | Path | PreTrainedModel | None,
     drafters: Sequence[str],
     device: str | torch.device | None = None,
     dtype: str | torch.dtype = "auto",
@@ -66,10 +68,16 @@ def load_decoders(
     budgets: Sequence[int | str] = ("auto",),
     warm_start: bool = True,
     learn: bool = True,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    weight_copies: bool | None = None,
 ):
     """{drafter spec: SpeculativeDecoder}, all sharing one copy of the target's weights and one calibration.
 
-    model: a local HF causal-LM folder, None for the default SmolLM2-135M-Instruct. drafters: specs of
+    model: a local HF causal-LM folder, None for the default SmolLM2-135M-Instruct, or a loaded transformers
+    model (with its `tokenizer`, if any), whose weights the decoders use in place, on its device and in its
+    dtype (`device` and `dtype` must then be left out or agree). `weight_copies`: the row plan may lay the
+    weights out again where that is faster (each layout a full copy; TargetModel); default yes for a folder,
+    no for a loaded model, which the caller keeps using and should not pay for twice. drafters: specs of
     `drafters.load_drafter` ('dflash', 'exittrain', 'ngram', a checkpoint folder, chain:SPEC), each checked
     against the target; each decoder's TargetModel taps exactly the layers its drafter reads. `lookup`: the
     DFlash drafters' corpus-lookup table (load_drafter: auto, none or a path). Each decoder is calibrated
@@ -84,16 +92,32 @@ def load_decoders(
 
     if threads:
         torch.set_num_threads(threads)
-    device = resolve_device(device)
-    hf_model, tokenizer = load_model_and_tokenizer(model, device, resolve_dtype(dtype, device))
+    if isinstance(model, PreTrainedModel):
+        hf_model = loaded_model(model, device, dtype)
+    else:
+        device = resolve_device(device)
+        hf_model, tokenizer = load_model_and_tokenizer(model, device, resolve_dtype(dtype, device))
+    copies = not isinstance(model, PreTrainedModel) if weight_copies is None else weight_copies
     decoders, cost = {}, None
     for spec in dict.fromkeys(drafters):
         drafter = load_drafter(spec, hf_model, lookup)
-        decoders[spec] = SpeculativeDecoder(TargetModel(hf_model, tokenizer, drafter.feature_layers), drafter,
-                                            warm_start, learn)
+        target = TargetModel(hf_model, tokenizer, drafter.feature_layers, weight_copies=copies)
+        decoders[spec] = SpeculativeDecoder(target, drafter, warm_start, learn)
         if budgets:
             cost = decoders[spec].calibrate(max(DENSE, *(budget_cap(parse_budget(b)) for b in budgets)), cost=cost)
     return decoders
+
+
+def loaded_model(model: PreTrainedModel, device=None, dtype="auto") -> PreTrainedModel:
+    """A caller's loaded transformers model, checked: a causal LM, and on the device and in the dtype asked for
+    (None and "auto" take the model's own). Inference only: gradients are turned off on its weights."""
+    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        raise ValueError(f"{type(model).__name__} is not a causal language model: it has no output embeddings")
+    if device is not None and resolve_device(device) != model.device:
+        raise ValueError(f"the model is on {model.device}, not on {device}: move it first (model.to(...))")
+    if dtype != "auto" and resolve_dtype(dtype, model.device) != model.dtype:
+        raise ValueError(f"the model is in {model.dtype}, not in {dtype}: convert it first (model.to(dtype))")
+    return model.eval().requires_grad_(False)
 
 
 def check_budgets(budgets: Sequence[int | str], model: str | Path | None, device=None) -> None:

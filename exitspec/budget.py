@@ -122,7 +122,8 @@ class CostModel:
         sizes = sorted({*range(min(max_size, DENSE) + 1), *(n for n in SPARSE if n <= max_size), max_size})
         weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
         free = psutil.virtual_memory().available
-        layouts = [layout for k, layout in enumerate(layouts_for(target.device)) if 2 * (k + 1) * weight_bytes < free]
+        layouts = layouts_for(target.device) if target.weight_copies else []
+        layouts = [layout for k, layout in enumerate(layouts) if 2 * (k + 1) * weight_bytes < free]
         plan = target.row_plan
         ways = ["whole", *layouts] if target.use_row_plan({}) else ["whole"]
         seconds, spreads = {}, []
@@ -205,7 +206,7 @@ def cost_path(target, max_size: int) -> Path:
     key = json.dumps([
         target.model.config.to_json_string(use_diff=False), str(target.device), str(target.model.dtype),
         type(target.backend).__name__, torch.get_num_threads(), torch.__version__, max_size, MEASURE_VERSION,
-    ])
+    ] + ([] if target.weight_copies else ["no weight copies"]))
     return cache_dir() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

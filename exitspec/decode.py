@@ -278,6 +278,28 @@ class SpeculativeDecoder:
         spec = str(drafter or default_drafter(model))
         return load_decoders(model, [spec], device, dtype, threads, lookup, warm_start=warm_start, learn=learn)[spec]
 
+    @classmethod
+    def from_model(
+        cls,
+        model,
+        tokenizer=None,
+        drafter: str | Path | None = None,
+        lookup: str | Path = "auto",
+        threads: int | None = None,
+        warm_start: bool = True,
+        learn: bool = True,
+        weight_copies: bool = False,
+    ) -> SpeculativeDecoder:
+        """A decoder over a transformers model the caller has loaded (PreTrainedModel) and its tokenizer, on the
+        model's device and in its dtype, using its weights in place: `model.generate` keeps working on the same
+        storage. `weight_copies=True` lets the row plan lay the weights out again where that is faster (each
+        layout a full copy; TargetModel). The rest as in `from_pretrained`."""
+        from exitspec.app import load_decoders
+
+        spec = str(drafter or default_drafter(model))
+        return load_decoders(model, [spec], threads=threads, lookup=lookup, warm_start=warm_start, learn=learn,
+                             tokenizer=tokenizer, weight_copies=weight_copies)[spec]
+
     def generate(
         self,
         prompt: Prompt,

@@ -40,9 +40,14 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def default_model_path() -> Path:
+    """Where the default target's converted folder lives (or will, once `default_model_dir` has made it)."""
+    return cache_dir() / "models" / DEFAULT_MODEL
+
+
 def default_model_dir() -> Path:
     """The default target as a safetensors HF folder, converted from the wheel's GGUF file on first use."""
-    target = cache_dir() / "models" / DEFAULT_MODEL
+    target = default_model_path()
     if not (target / "config.json").is_file():
         _convert_gguf(_find_gguf(), target)
     return target

@@ -124,7 +124,9 @@ class TargetModel:
 
     How the weight products run is explicit state: `row_plan` (set by `budget.calibrate`). `forward_config()`
     names everything that decides a forward's speed, so that a baseline and a speculative run can be checked to
-    run the same way.
+    run the same way. `weight_copies`: the row plan may lay the weights out again where that is faster (Panels,
+    Packed: each a full copy of the weights); off, the target runs on the model's own weights alone (a model the
+    caller loaded and keeps using, `SpeculativeDecoder.from_model`).
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class TargetModel:
         tokenizer: PreTrainedTokenizerBase | None = None,
         feature_layers: tuple[int, ...] = (),
         backend: Literal["auto", "lean", "transformers"] = "auto",
+        weight_copies: bool = True,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -142,12 +145,13 @@ class TargetModel:
         bad = [i for i in self.feature_layers if not 0 <= i < n_layers]
         if bad:
             raise ValueError(f"feature layers {bad} out of range: the model has decoder layers 0..{n_layers - 1}")
-        attn = model.config._attn_implementation
-        if attn not in ("sdpa", "eager"):
-            raise ValueError(f"tree attention needs 'sdpa' or 'eager' attention, the model uses {attn!r}")
         if backend not in ("auto", "lean", "transformers"):
             raise ValueError(f"unknown target backend {backend!r}; choose auto, lean or transformers")
         lean = backend == "lean" or (backend == "auto" and supports(model) is None)
+        attn = model.config._attn_implementation
+        if not lean and attn not in ("sdpa", "eager"):  # the lean forward runs its own sdpa whatever the model's
+            raise ValueError(f"tree attention needs 'sdpa' or 'eager' attention, the model uses {attn!r}")
+        self.weight_copies = weight_copies
         self.backend = LeanLlama(model, self.feature_layers) if lean else TransformersForward(model, self.feature_layers)
         self.reset()
 

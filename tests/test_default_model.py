@@ -65,3 +65,18 @@ def test_greedy_dflash_equals_generate(dflash_decoder, references, verifier, bud
         assert out.tokens == references[prompt], (prompt, verifier, budget)
         accepted, rounds = accepted + len(out.tokens), rounds + len(out.rounds)
     assert accepted / rounds > TRAINED_DFLASH_MIN_TAU, "the shipped drafter should get draft tokens accepted"
+
+
+def test_custom_generate_equals_generate(decoder, references):
+    """transformers' entry point on a model the user loaded: `model.generate(custom_generate=...)` picks the
+    shipped DFlash drafter for the default model and gives transformers' greedy output, token for token."""
+    from exitspec.hf import CUSTOM_GENERATE
+    from exitspec.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(None)
+    for prompt in PROMPTS[:3]:
+        ids = torch.tensor([encode_prompt(tokenizer, prompt)])
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, custom_generate=CUSTOM_GENERATE,
+                             trust_remote_code=True, return_dict_in_generate=True, warm_start=False)
+        assert out.sequences[0, ids.shape[1]:].tolist() == references[prompt], prompt
+        assert out.tau > TRAINED_DFLASH_MIN_TAU

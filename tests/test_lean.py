@@ -8,29 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_target import ATOL, V, assert_tree_logits, random_tree
-from tiny_models import tiny_llama
+from tiny_models import tiny_causal_lm, tiny_llama
 from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config, Qwen3Config
 
 from exitspec import lean
 from exitspec.lean import LeanLlama, supports
 from exitspec.target import TargetModel, TransformersForward
 
-SHAPE = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 128, "initializer_range": 0.2, "tie_word_embeddings": False}
-
-
-def tiny(config_cls, seed=0, **extra):
-    config = config_cls(**SHAPE, **extra)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).float().eval().requires_grad_(False)
-
 
 def models():
     yield "llama", tiny_llama(V)
     yield "llama-head-dim", tiny_llama(V, head_dim=16, rope_theta=500.0)  # head_dim != hidden / heads
-    yield "qwen2 (qkv bias)", tiny(Qwen2Config)
-    yield "qwen3 (q/k norm)", tiny(Qwen3Config, head_dim=8)
+    yield "qwen2 (qkv bias)", tiny_causal_lm(Qwen2Config, V)
+    yield "qwen3 (q/k norm)", tiny_causal_lm(Qwen3Config, V, head_dim=8)
 
 
 @pytest.mark.parametrize("name,model", list(models()), ids=lambda x: x if isinstance(x, str) else "")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 
 def tiny_llama(vocab_size: int = 32, seed: int = 0, **overrides) -> LlamaForCausalLM:
@@ -15,7 +15,12 @@ def tiny_llama(vocab_size: int = 32, seed: int = 0, **overrides) -> LlamaForCaus
     The init scale is larger than HF's default so that attention is far from uniform and logits are spread:
     a wrong mask, position or cache entry then shows up well above float error.
     """
-    config = LlamaConfig(
+    return tiny_causal_lm(LlamaConfig, vocab_size, seed, **overrides)
+
+
+def tiny_causal_lm(config_cls=LlamaConfig, vocab_size: int = 32, seed: int = 0, **overrides) -> PreTrainedModel:
+    """tiny_llama's shape for any Llama-family config class (Qwen2Config, Qwen3Config, ...)."""
+    config = config_cls(
         **{
             "vocab_size": vocab_size,
             "hidden_size": 32,
@@ -35,7 +40,7 @@ def tiny_llama(vocab_size: int = 32, seed: int = 0, **overrides) -> LlamaForCaus
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.float().eval().requires_grad_(False)
 
 

@@ -10,6 +10,7 @@ from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.lookup import LOOKUP_NAME, NgramTable
 from exitspec.drafters.ngram import NgramDrafter
 from exitspec.drafters.suffix import SuffixDrafter
+from exitspec.models import default_model_path
 from exitspec.options import DRAFTER_HELP
 
 __all__ = [
@@ -33,8 +34,11 @@ SHIPPED = {
 SHIPPED_LOOKUP = _ASSETS / "lookup-smollm2-135m-instruct" / LOOKUP_NAME
 
 
-def default_drafter(model: str | Path | None) -> str:
-    """The drafter used when none is named: 'dflash' (shipped) for the default model, else 'ngram'."""
+def default_drafter(model) -> str:
+    """The drafter used when none is named: 'dflash' (shipped) for the default model (None, or a loaded model read
+    from exitspec's converted folder of it), else 'ngram'."""
+    if hasattr(model, "name_or_path"):  # a loaded transformers model
+        return "dflash" if Path(model.name_or_path).resolve() == default_model_path().resolve() else "ngram"
     return "dflash" if model is None else "ngram"
 
 
