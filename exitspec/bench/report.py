@@ -216,6 +216,30 @@ def peer_table(rows: list) -> dict | None:
     return {"columns": columns, "rows": body}
 
 
+def draft_model_table(rows: list) -> list[dict]:
+    """Trees against chains from one draft model: per dataset and temperature, each exitspec run with a draft model
+    (drafter model:PATH or layers:K) and each hf-assistant peer, pooled over the prompts both ran: τ (new tokens
+    over target forwards), the draft's seconds a round and tokens per second; [] without such rows."""
+    prompt = lambda r: (r.dataset, r.temperature, r.prompt_id, r.turn, r.repeat)
+    peers = [r for r in rows if isinstance(r, PeerRow) and r.rounds]
+    ours = [r for r in rows if isinstance(r, SpecRow) and r.drafter.startswith(("model:", "layers:"))]
+    shared = {prompt(r) for r in peers} & {prompt(r) for r in ours}
+    pooled: dict[tuple, list] = defaultdict(lambda: [0, 0, 0.0, 0.0])  # tokens, rounds, draft seconds, seconds
+    for r in peers + ours:
+        if prompt(r) not in shared:
+            continue
+        name = f"{r.peer}" if isinstance(r, PeerRow) else f"exitspec {r.drafter} {r.budget} {r.verifier}"
+        draft = r.draft_seconds if isinstance(r, PeerRow) else r.stage_seconds.get("draft", 0.0)
+        cell = pooled[r.dataset, r.temperature, name]
+        cell[0] += r.new_tokens
+        cell[1] += r.rounds
+        cell[2] += draft
+        cell[3] += r.total_seconds
+    return [{"dataset": d, "temperature": t, "run": name, "tau": tokens / rounds, "draft_seconds_per_round": draft / rounds,
+             "tokens_per_second": _rate(tokens, seconds)}
+            for (d, t, name), (tokens, rounds, draft, seconds) in sorted(pooled.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))]
+
+
 def peer_table_markdown(table: dict) -> list[str]:
     header = ["dataset", "T", "runs", *table["columns"], "best exitspec / fastest other"]
     body = [[r["dataset"], f"{r['temperature']:g}", str(r["runs"]), *(_num(r["tokens_per_second"].get(c), digits=1) for c in table["columns"]),
@@ -241,9 +265,15 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> dict
     markdown = _report_markdown(data.envs, table, crossed, paired, cells, ar, results)
     if peers is not None:
         markdown += "\n".join(["", "## Peers: tokens per second on the same prompts", "", *peer_table_markdown(peers), ""])
+    drafts = draft_model_table(data.rows)
+    if drafts:
+        body = [[r["dataset"], f"{r['temperature']:g}", r["run"], _num(r["tau"]),
+                 _num(1000 * r["draft_seconds_per_round"], " ms", 1), _num(r["tokens_per_second"], digits=1)] for r in drafts]
+        markdown += "\n".join(["", "## One draft model: exitspec's trees against transformers' chains", "",
+                                *_markdown_table(["dataset", "T", "run", "τ", "draft a round", "tok/s"], body), ""])
     paths["markdown"].write_text(markdown)
     report = {"results": str(results), "env": [asdict(e) for e in data.envs], "table": table, "drafter_table": crossed,
-              "paired_tau": paired, "cells": cells, "autoregressive": ar, "peers": peers}
+              "paired_tau": paired, "cells": cells, "autoregressive": ar, "peers": peers, "draft_models": drafts}
     paths["json"].write_text(json.dumps(report, indent=2))
     figures = dict(zip(PLOTS, (_plot_budgets(cells), _plot_stages(cells, ar), _plot_accepted(cells))))
     for name, fig in figures.items():

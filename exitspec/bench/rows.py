@@ -130,6 +130,9 @@ class PeerRow(PromptRow):
     tokens_per_second: float
     matches_ar: bool  # the same tokens as the baseline row's autoregressive loop
     version_info: str  # the peer's version (vLLM's, or transformers')
+    rounds: int | None = None  # target forwards (hf-assistant: one per verified chain), where the peer shows them
+    draft_forwards: int | None = None  # the draft model's forwards (hf-assistant)
+    draft_seconds: float | None = None  # the time spent in them
     kind: str = "peer"
     version: int = ROW_VERSION
 
