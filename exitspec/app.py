@@ -2,13 +2,14 @@
 
     exitspec generate "Hi" --budget 64
       cli.main ─ setup_cpu ─ cli.build_parser: options.py's groups and checked types (no torch yet)
-        ─ resolve_device: the device is there          ─ check_budgets: the tree fits context and memory
-        ─ load_decoders: the target once, each drafter against it, the target tapping the drafters' layers
+        ─ models.resolve_device: the device is there   ─ check_budgets: the tree fits context and memory
+        ─ load_decoders: the target once, then per drafter SpeculativeDecoder.from_model over its weights
+          (the drafter checked against it, the target tapping the drafter's layers, one calibration for all)
         ─ the command; a user error ends as one line on stderr and exit code 2 (options.run_command)
 
 Every command that decodes (generate, inspect, bench, latency, train eval) gets its decoders from
-`load_decoders`; `exitspec.app.load_decoders` is also the library's way to build one (or
-`SpeculativeDecoder.from_pretrained` and, over a loaded transformers model, `from_model`).
+`load_decoders`; a library user builds several the same way, or one with `SpeculativeDecoder.from_pretrained`
+(a folder) or `SpeculativeDecoder.from_model` (a loaded transformers model).
 """
 
 from __future__ import annotations
@@ -21,41 +22,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from exitspec import setup_cpu
 from exitspec.budget import DENSE
-from exitspec.drafters import load_drafter
-from exitspec.models import load_model_and_tokenizer, model_config
-from exitspec.options import DEFAULT_MODEL, DTYPES, budget_cap, check_device_name, parse_budget
-from exitspec.target import TargetModel
+from exitspec.decode import SpeculativeDecoder
+from exitspec.models import check_loaded, load_model_and_tokenizer, model_config, resolve_device
+from exitspec.settings import DEFAULT_MODEL, budget_cap, parse_budget
 
-__all__ = ["load_decoders", "resolve_device", "resolve_dtype", "setup_cpu"]
-
-
-def resolve_device(name: str | torch.device | None = None) -> torch.device:
-    """A usable torch device: None picks cuda when available, else cpu; anything else is checked."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = str(name)
-    device = torch.device(check_device_name(name))
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise ValueError(f"device {name!r} asked for CUDA, but none is available (torch {torch.__version__}, "
-                             f"{build}); use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {name!r} asked for Apple MPS, which is not available here; use --device cpu")
-    return device
-
-
-def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """A torch dtype; "auto" is bfloat16 on CUDA and float32 elsewhere (bf16 on CPU is slow and inexact)."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
-    return getattr(torch, name)
+__all__ = ["load_decoders", "setup_cpu"]
 
 
 def load_decoders(
@@ -88,36 +59,20 @@ def load_decoders(
     each finished answer goes into the drafter's suffix memory, which later requests draft from (off for
     measurements, whose prompts must not find their own earlier answers there).
     """
-    from exitspec.decode import SpeculativeDecoder
-
     if threads:
         torch.set_num_threads(threads)
     if isinstance(model, PreTrainedModel):
-        hf_model = loaded_model(model, device, dtype)
+        hf_model = check_loaded(model, device, dtype)
     else:
-        device = resolve_device(device)
-        hf_model, tokenizer = load_model_and_tokenizer(model, device, resolve_dtype(dtype, device))
+        hf_model, tokenizer = load_model_and_tokenizer(model, device, dtype)
     copies = not isinstance(model, PreTrainedModel) if weight_copies is None else weight_copies
+    cap = max(DENSE, *(budget_cap(parse_budget(b)) for b in budgets)) if budgets else None
     decoders, cost = {}, None
     for spec in dict.fromkeys(drafters):
-        drafter = load_drafter(spec, hf_model, lookup, copies)
-        target = TargetModel(hf_model, tokenizer, drafter.feature_layers, weight_copies=copies)
-        decoders[spec] = SpeculativeDecoder(target, drafter, warm_start, learn)
-        if budgets:
-            cost = decoders[spec].calibrate(max(DENSE, *(budget_cap(parse_budget(b)) for b in budgets)), cost=cost)
+        decoders[spec] = SpeculativeDecoder.from_model(hf_model, tokenizer, spec, lookup, None, warm_start, learn, copies,
+                                                       cap, cost)
+        cost = decoders[spec].costs.get(cap)
     return decoders
-
-
-def loaded_model(model: PreTrainedModel, device=None, dtype="auto") -> PreTrainedModel:
-    """A caller's loaded transformers model, checked: a causal LM, and on the device and in the dtype asked for
-    (None and "auto" take the model's own). Inference only: gradients are turned off on its weights."""
-    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
-        raise ValueError(f"{type(model).__name__} is not a causal language model: it has no output embeddings")
-    if device is not None and resolve_device(device) != model.device:
-        raise ValueError(f"the model is on {model.device}, not on {device}: move it first (model.to(...))")
-    if dtype != "auto" and resolve_dtype(dtype, model.device) != model.dtype:
-        raise ValueError(f"the model is in {model.dtype}, not in {dtype}: convert it first (model.to(dtype))")
-    return model.eval().requires_grad_(False)
 
 
 def check_budgets(budgets: Sequence[int | str], model: str | Path | None, device=None) -> None:

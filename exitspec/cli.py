@@ -28,11 +28,7 @@ from exitspec import setup_cpu
 from exitspec.bench.presets import PEERS, PRESETS, peer_option
 from exitspec.data import BUILTIN, EDITS
 from exitspec.options import (
-    DRAFTER_HELP,
-    MAX_BUDGET,
-    VERIFIERS,
     Parser,
-    budget_cap,
     budget_option,
     common_options,
     drafter_option,
@@ -41,12 +37,12 @@ from exitspec.options import (
     lookup_option,
     model_options,
     option,
-    parse_budget,
     real,
     run_command,
     sampling_options,
     text,
 )
+from exitspec.settings import DRAFTER_HELP, MAX_BUDGET, VERIFIERS, budget_cap, parse_budget
 from exitspec.train.config import BENCHMARKS, EXIT_FIELDS, LOSSES, WEIGHT_MODES, TrainConfig
 
 RAW = argparse.RawDescriptionHelpFormatter
@@ -140,8 +136,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def generate(args) -> int:
-    from exitspec.app import check_budgets, load_decoders, resolve_device
+    from exitspec.app import check_budgets, load_decoders
     from exitspec.drafters import default_drafter
+    from exitspec.models import resolve_device
     from exitspec.sampling import SamplingParams
     from exitspec.verify import check_verifier
 

@@ -27,10 +27,11 @@ import torch
 from torch import Tensor
 
 from exitspec.budget import DENSE, AutoBudget, CostModel, calibrate
-from exitspec.drafters import Drafter, default_drafter
+from exitspec.drafters import Drafter, default_drafter, load_drafter
 from exitspec.flow import frontier, observed_reach
-from exitspec.options import budget_cap, parse_budget
+from exitspec.models import check_loaded, load_model_and_tokenizer
 from exitspec.sampling import SamplingParams, WarpedRows
+from exitspec.settings import budget_cap, parse_budget
 from exitspec.target import TargetModel, all_finite, synchronize
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS, Decision, Verdict, check_verifier
@@ -270,13 +271,13 @@ class SpeculativeDecoder:
     ) -> SpeculativeDecoder:
         """A local HF model folder (None: the default SmolLM2-135M-Instruct) and a drafter (see load_drafter;
         None: the shipped DFlash drafter for the default model, n-gram for any other) with its corpus-lookup table
-        (auto, none or a path), built by app.load_decoders. `warm_start`: runs start from what earlier processes
-        learned under the same settings, and save what they learn (warm.py). `learn`: each finished answer goes
-        into the drafter's suffix memory, which later requests draft from (drafters/suffix.py)."""
-        from exitspec.app import load_decoders
-
-        spec = str(drafter or default_drafter(model))
-        return load_decoders(model, [spec], device, dtype, threads, lookup, warm_start=warm_start, learn=learn)[spec]
+        (auto, none or a path), calibrated (`from_model`, the row plan free to lay the weights out again).
+        `warm_start`: runs start from what earlier processes learned under the same settings, and save what they
+        learn (warm.py). `learn`: each finished answer goes into the drafter's suffix memory, which later
+        requests draft from (drafters/suffix.py). Several drafters over one target: `app.load_decoders`."""
+        hf_model, tokenizer = load_model_and_tokenizer(model, device, dtype)
+        return cls.from_model(hf_model, tokenizer, drafter or default_drafter(model), lookup, threads, warm_start,
+                              learn, weight_copies=True)
 
     @classmethod
     def from_model(
@@ -289,16 +290,25 @@ class SpeculativeDecoder:
         warm_start: bool = True,
         learn: bool = True,
         weight_copies: bool = False,
+        cap: int | None = DENSE,
+        cost: CostModel | None = None,
     ) -> SpeculativeDecoder:
-        """A decoder over a transformers model the caller has loaded (PreTrainedModel) and its tokenizer, on the
-        model's device and in its dtype, using its weights in place: `model.generate` keeps working on the same
-        storage. `weight_copies=True` lets the row plan lay the weights out again where that is faster (each
-        layout a full copy; TargetModel). The rest as in `from_pretrained`."""
-        from exitspec.app import load_decoders
-
+        """A decoder over a loaded transformers model (PreTrainedModel) and its tokenizer, on the model's device
+        and in its dtype, using its weights in place: `model.generate` keeps working on the same storage.
+        `weight_copies=True` lets the row plan lay the weights out again where that is faster (each layout a
+        full copy; TargetModel). Calibrated for trees of up to `cap` draft tokens (`calibrate`, with `cost`
+        where another decoder over the same weights measured it; None: not calibrated). The rest as in
+        `from_pretrained`."""
+        if threads:
+            torch.set_num_threads(threads)
+        model = check_loaded(model)
         spec = str(drafter or default_drafter(model))
-        return load_decoders(model, [spec], threads=threads, lookup=lookup, warm_start=warm_start, learn=learn,
-                             tokenizer=tokenizer, weight_copies=weight_copies)[spec]
+        loaded = load_drafter(spec, model, lookup, weight_copies)
+        target = TargetModel(model, tokenizer, loaded.feature_layers, weight_copies=weight_copies)
+        decoder = cls(target, loaded, warm_start, learn)
+        if cap is not None:
+            decoder.calibrate(cap, cost=cost)
+        return decoder
 
     def generate(
         self,

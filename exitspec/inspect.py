@@ -31,8 +31,8 @@ from exitspec.app import check_budgets, load_decoders
 from exitspec.decode import RoundTrace, SpeculativeDecoder
 from exitspec.drafters import default_drafter
 from exitspec.flow import TreeFlow, tree_flow
-from exitspec.options import budget_cap
 from exitspec.sampling import SamplingParams
+from exitspec.settings import budget_cap
 from exitspec.tree import DraftTree
 from exitspec.verify import check_verifier
 

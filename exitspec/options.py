@@ -9,54 +9,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from collections.abc import Callable, Sequence
 
-AUTO = "auto"
-AUTO_CAP = 32  # the largest tree `--budget auto` builds unless given auto:B
-MAX_BUDGET = 4096  # draft tokens per tree: beyond this no tree pays; below it app.check_budgets checks memory
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-VERIFIERS = ("greedy", "predraw", "sequential", "tev")  # the keys of verify.DECIDERS (a test keeps them equal)
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DRAFTER_HELP = (
-    "'dflash' (the DFlash drafter shipped for the default model; the default there), 'dflash-v1' (the first "
-    "one), 'exittrain' (dflash-v1 fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models), "
-    "'suffix' (suffix trees over the request and earlier answers), a DFlash checkpoint folder, model:PATH (a small "
-    "causal LM of the target's tokenizer growing dynamic trees), layers:K (the target's first K layers as that draft "
-    "model), or chain:SPEC (the best path of SPEC's trees: plain chain speculative decoding)"
-)
+from exitspec.settings import DEFAULT_MODEL, DRAFTER_HELP, DTYPES, check_device_name, parse_budget
+
 # Errors a user causes (a bad value, a missing or corrupt file, a missing package): one line and exit code 2.
 USER_ERRORS = (ValueError, FileNotFoundError, ModuleNotFoundError)
-
-
-def parse_budget(value: str | int) -> int | str:
-    """`B` (a fixed budget of B draft tokens, B >= 0), `auto` (cost-aware, at most 32) or `auto:B`."""
-    text = str(value).strip().lower()
-    if text == AUTO:
-        return f"{AUTO}:{AUTO_CAP}"
-    try:
-        cap = int(text[len(AUTO) + 1 :]) if text.startswith(f"{AUTO}:") else int(text)
-    except ValueError:
-        raise ValueError(f"budget must be a number of draft tokens, 'auto' or 'auto:B'; got {value!r}") from None
-    if cap < 0:
-        raise ValueError(f"budget must be >= 0 draft tokens per round, got {cap}")
-    if cap > MAX_BUDGET:
-        raise ValueError(f"a budget of {cap} is over the limit of {MAX_BUDGET} draft tokens per tree")
-    return f"{AUTO}:{cap}" if text.startswith(AUTO) else cap
-
-
-def budget_cap(budget: int | str) -> int:
-    """The most draft tokens a round may hold under `budget` (parsed)."""
-    return int(str(budget).split(":")[1]) if isinstance(budget, str) else budget
-
-
-def check_device_name(name: str) -> str:
-    """`name` if it spells a device exitspec runs on (cpu, cuda, cuda:N, mps); app.resolve_device checks that
-    it is there."""
-    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
-        raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or mps")
-    return name
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from exitspec.bench.report import (
     write_comparison,
 )
 from exitspec.bench.rows import BaselineRow, SpecRow
-from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, Config, ResultsFile, Runner, speedup
+from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, Config, ResultsFile, Runner, results_lock, speedup
 from exitspec.cli import main
 from exitspec.data import default_data_dir
 from exitspec.decode import STAGES, SpeculativeDecoder, encode_prompt
@@ -454,3 +457,22 @@ def test_draft_model_trees_and_transformers_chains_share_a_table(setup, tmp_path
     report = (out / "report.md").read_text()
     assert "## One draft model" in report and "exitspec layers:1 8 tev" in report and "| hf-assistant:layers:1 |" in report
     assert main(["bench", *model_args, "--peers", "hf-nope"]) == 2
+
+
+def test_a_results_folder_is_written_by_one_bench_at_a_time(tmp_path):
+    """A second bench on a folder being written gets one line naming the holder; a killed holder held nothing."""
+    out = tmp_path / "out"
+    with results_lock(out), pytest.raises(ValueError, match=f"being written by another bench \\(pid {os.getpid()} on "), \
+            results_lock(out):
+        pass
+    script = ("import time; from pathlib import Path; from exitspec.bench.runner import results_lock\n"
+              f"with results_lock(Path({str(out)!r})): print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(ValueError, match=f"pid {holder.pid} on"), results_lock(out):
+        pass
+    holder.kill()
+    holder.wait()
+    with results_lock(out):  # the killed run's lock is gone with it
+        pass

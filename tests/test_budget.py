@@ -18,8 +18,8 @@ from exitspec.build import build_trie, merge_best_first
 from exitspec.calibrate import Calibrator, model_bins, model_calibrator
 from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters import NgramDrafter
-from exitspec.options import budget_cap, parse_budget
 from exitspec.sampling import SamplingParams
+from exitspec.settings import budget_cap, parse_budget
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 

@@ -89,7 +89,7 @@ def test_the_parser_imports_no_torch():
 
 
 def test_verifier_names_match_the_deciders():
-    from exitspec.options import VERIFIERS
+    from exitspec.settings import VERIFIERS
     from exitspec.verify import DECIDERS
 
     assert sorted(VERIFIERS) == sorted(DECIDERS)

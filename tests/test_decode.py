@@ -11,7 +11,7 @@ from exitspec.decode import SpeculativeDecoder, generate_autoregressive
 from exitspec.drafters import DFlashDrafter, NgramDrafter, SuffixDrafter
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.drafters.lookup import NgramTable
-from exitspec.options import budget_cap, parse_budget
+from exitspec.settings import budget_cap, parse_budget
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 

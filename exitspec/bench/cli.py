@@ -24,11 +24,11 @@ from exitspec.bench import report, verifier
 from exitspec.bench.peers import run_peers
 from exitspec.bench.presets import CUSTOM, PRESETS, VERIFIER_LATENCY
 from exitspec.bench.rows import SpecRow
-from exitspec.bench.runner import Plan, ResultsFile, Runner, configs, environment, run_plan
+from exitspec.bench.runner import Plan, ResultsFile, Runner, configs, environment, results_lock, run_plan
 from exitspec.budget import CostModel
 from exitspec.data import load_dataset
 from exitspec.drafters import default_drafter
-from exitspec.options import budget_cap, parse_budget
+from exitspec.settings import budget_cap, parse_budget
 
 
 def run(args) -> int:
@@ -61,6 +61,12 @@ def run(args) -> int:
         configs(args.drafters or [default_drafter(args.model)], budgets, verifiers, args.chain or preset.chain),
         temperatures, args.max_new_tokens, args.top_p, args.top_k, args.repeats, args.seed,
     )
+    with results_lock(out):
+        return _measure(args, plan, budgets, out)
+
+
+def _measure(args, plan: Plan, budgets: list, out: Path) -> int:
+    """Loads the decoders, measures the plan's missing rows (and the peers') into out/results.jsonl, reports."""
     drafters = list(dict.fromkeys(c.drafter for c in plan.configs))
     decoders = load_decoders(args.model, drafters, args.device, args.dtype, args.threads, args.lookup,
                              budgets=budgets, warm_start=not args.no_warm_start, learn=args.learn)

@@ -28,8 +28,8 @@ from exitspec.bench.rows import BaselineRow, EnvRow, PeerRow, SpecRow
 from exitspec.bench.runner import ResultsFile, speedup
 from exitspec.decode import STAGES
 from exitspec.drafters.chain import drafter_label
-from exitspec.options import budget_cap
 from exitspec.paired import paired_cell, paired_difference
+from exitspec.settings import budget_cap
 
 CELL = ("dataset", "temperature", "drafter", "budget", "verifier")
 CONFIG = ("drafter", "budget", "verifier")

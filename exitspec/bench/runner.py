@@ -24,11 +24,14 @@ thread count.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import hashlib
 import json
 import os
 import platform
+import socket
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,8 +46,8 @@ from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens,
 from exitspec.drafters import drafter_folder
 from exitspec.drafters.chain import CHAIN_PREFIX
 from exitspec.models import default_model_dir
-from exitspec.options import budget_cap, parse_budget
 from exitspec.sampling import SamplingParams
+from exitspec.settings import budget_cap, parse_budget
 from exitspec.verify import check_verifier
 
 BASELINE_KEY = ("dataset", "prompt_id", "turn", "repeat", "seed", "temperature", "top_p", "top_k", "max_new_tokens")
@@ -143,6 +146,27 @@ def row_key(row: BaselineRow | SpecRow | PeerRow | dict) -> tuple:
     get = row.get if isinstance(row, dict) else lambda f: getattr(row, f)
     fields = {"spec": SPEC_KEY, "peer": PEER_KEY}.get(get("kind"), BASELINE_KEY)
     return (get("kind"), *(get(f) for f in fields))
+
+
+@contextmanager
+def results_lock(folder: Path) -> Iterator[None]:
+    """Holds `folder`/.lock while one bench writes the folder: a second bench there gets a one-line error naming the
+    holder. The lock is the kernel's (flock), so a run that was killed held nothing, and the next one just takes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise ValueError(f"{folder} is being written by another bench ({holder}); wait for it to finish, or give "
+                             "this one another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                f"{datetime.datetime.now().isoformat(timespec='seconds')}\n")
+        f.flush()
+        yield
 
 
 class ResultsFile:

@@ -45,14 +45,15 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
-from exitspec.app import load_decoders, resolve_device
+from exitspec.app import load_decoders
 from exitspec.bench import forward, rounds, suffix
 from exitspec.build import build_ddtree
 from exitspec.decode import encode_prompt
 from exitspec.drafters import DFlashDrafter
 from exitspec.flow import check_probs, tree_flow
-from exitspec.options import MAX_BUDGET, parse_budget
+from exitspec.models import resolve_device
 from exitspec.sampling import SamplingParams, WarpedRows, target_probs
+from exitspec.settings import MAX_BUDGET, parse_budget
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS, decide_tev
@@ -323,10 +324,3 @@ def measure(
         "rows": run_bench(pairs, temperatures, top_p, repeats, warmup, seed),
     }
 
-
-if __name__ == "__main__":  # `python -m exitspec.bench.verifier ...` is `exitspec latency ...`
-    import sys
-
-    from exitspec.cli import main as cli_main
-
-    sys.exit(cli_main(["latency", *sys.argv[1:]]))

@@ -12,7 +12,7 @@ from exitspec.drafters.model import ModelDrafter, first_layers, load_draft_model
 from exitspec.drafters.ngram import NgramDrafter
 from exitspec.drafters.suffix import SuffixDrafter
 from exitspec.models import default_model_path
-from exitspec.options import DRAFTER_HELP
+from exitspec.settings import DRAFTER_HELP
 
 __all__ = [
     "DRAFTER_HELP", "SHIPPED", "SHIPPED_LOOKUP", "ChainDrafter", "DFlashDrafter", "Drafter", "ModelDrafter",

@@ -29,9 +29,11 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from transformers import AutoTokenizer
 
 from exitspec.budget import calibrate
 from exitspec.calibrate import SourceMerge, lookup_bins, lookup_calibrator
+from exitspec.models import load_model_and_tokenizer
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 
@@ -187,10 +189,6 @@ def first_layers(model: nn.Module, k: int) -> nn.Module:
 def load_draft_model(folder: Path, target_model: nn.Module) -> nn.Module:
     """A draft model folder on the target's device and dtype, refused with one line when its tokenizer is not the
     target's (vocabulary size, or the token→id maps where both folders hold a tokenizer)."""
-    from transformers import AutoTokenizer
-
-    from exitspec.models import load_model_and_tokenizer
-
     draft, tokenizer = load_model_and_tokenizer(folder, target_model.device, target_model.dtype)
     vocab, target_vocab = draft.get_output_embeddings().weight.shape[0], target_model.get_output_embeddings().weight.shape[0]
     if vocab != target_vocab:

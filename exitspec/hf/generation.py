@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from exitspec.decode import SpeculativeDecoder
+
 DECODER_OPTIONS = {  # exitspec's own keyword arguments to model.generate, with their defaults
     "drafter": None, "budget": "auto", "verifier": "tev", "lookup": "auto", "seed": None, "warm_start": True,
     "learn": True, "weight_copies": False,
@@ -103,8 +105,6 @@ def check_neutral(config, defaults: dict) -> None:
 
 def _decoder(model, tokenizer, options: dict):
     """The model's decoder for these options, made on first use and kept on the model (its weights in place)."""
-    from exitspec.decode import SpeculativeDecoder
-
     key = (options["drafter"], str(options["lookup"]), options["warm_start"], options["learn"], options["weight_copies"])
     decoders = model.__dict__.setdefault("_exitspec_decoders", {})
     if key not in decoders:

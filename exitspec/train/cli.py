@@ -20,16 +20,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from exitspec.app import (
-    free_memory,
-    load_decoders,
-    resolve_device,
-    resolve_dtype,
-)
+from exitspec.app import free_memory, load_decoders
 from exitspec.drafters import NgramTable, drafter_folder, split_chain
 from exitspec.drafters.chain import drafter_label
 from exitspec.drafters.suffix import SuffixMemory, tokenizer_digest
-from exitspec.models import load_model_and_tokenizer, model_config, model_name
+from exitspec.models import load_model_and_tokenizer, model_config, model_name, resolve_device, resolve_dtype
 from exitspec.paired import paired_cell
 from exitspec.train import dist
 from exitspec.train.acceptance import measure_acceptance
