@@ -38,6 +38,7 @@ from exitspec.options import (
     model_options,
     option,
     real,
+    renamed,
     run_command,
     sampling_options,
     text,
@@ -167,22 +168,33 @@ def generate(args) -> int:
         spec = result if i == 0 else decoder.generate(args.prompt, **spec_settings)
         speedups.append(baseline.total_seconds / spec.total_seconds)
     if args.json:
-        out = {
-            "prompt": args.prompt,
-            "prompt_ids": result.prompt_ids,
-            "token_ids": result.tokens,
-            "text": result.text,
-            "settings": dict(spec_settings, model=args.model, drafter=args.drafter, lookup=args.lookup, device=args.device),
-            "stats": result.summary(),
-        }
-        if baseline:
-            out["autoregressive"] = baseline.summary()
-            out["speedup"] = statistics.median(speedups)
-            out["speedups"] = speedups
-            out["identical_to_autoregressive"] = baseline.tokens == result.tokens
-            out["first_difference"] = first_difference(baseline.tokens, result.tokens)
-        print(json.dumps(out))
-        return 0
+        print(json.dumps(_generate_json(args, result, spec_settings, baseline, speedups)))
+    else:
+        print(_generate_line(args, result, baseline, speedups), file=sys.stderr)
+    return 0
+
+
+def _generate_json(args, result, settings: dict, baseline, speedups: list[float]) -> dict:
+    """`generate --json`'s one object: the answer, its statistics, and with --compare the autoregressive run's."""
+    out = {
+        "prompt": args.prompt,
+        "prompt_ids": result.prompt_ids,
+        "token_ids": result.tokens,
+        "text": result.text,
+        "settings": dict(settings, model=args.model, drafter=args.drafter, lookup=args.lookup, device=args.device),
+        "stats": result.summary(),
+    }
+    if baseline:
+        out["autoregressive"] = baseline.summary()
+        out["speedup"] = statistics.median(speedups)
+        out["speedups"] = speedups
+        out["identical_to_autoregressive"] = baseline.tokens == result.tokens
+        out["first_difference"] = first_difference(baseline.tokens, result.tokens)
+    return out
+
+
+def _generate_line(args, result, baseline, speedups: list[float]) -> str:
+    """`generate`'s closing line on stderr: τ, speed, rounds, C_p, and with --compare the speedup."""
     mean_n = sum(r.tree_size for r in result.rounds) / max(len(result.rounds), 1)
     line = (
         f"\n\n[τ {result.tau:.2f} · {result.tokens_per_second:.1f} tok/s · {len(result.tokens)} tokens in "
@@ -195,8 +207,7 @@ def generate(args) -> int:
         line += (f" · speedup {statistics.median(speedups):.2f}× over autoregressive (median of {len(speedups)} "
                  f"alternated pairs, range {min(speedups):.2f}–{max(speedups):.2f}; "
                  f"{baseline.tokens_per_second:.1f} tok/s)")
-    print(line + "]", file=sys.stderr)
-    return 0
+    return line + "]"
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -278,7 +289,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     o.add_argument("--limit", type=integer(0), metavar="N", help="measure at most N new rows, then stop (rerun to resume)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--report", type=Path, metavar="RESULTS", help="only write the report of a results JSONL")
-    o.add_argument("--compare", type=Path, nargs=2, metavar=("A", "B"), help="only compare two results JSONL files")
+    renamed(o, "--compare", o.add_argument("--compare-results", type=Path, nargs=2, metavar=("A", "B"),
+                                           help="only compare two results JSONL files"))
 
 
 def _add_latency(p: argparse.ArgumentParser) -> None:
@@ -308,17 +320,26 @@ def _add_latency(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic", action="store_true", help="random trees and logits instead of the model")
     p.add_argument("--vocab", type=integer(2), default=49152, help="vocabulary of --synthetic (the default model's)")
     p.add_argument("--seed", type=integer(0), default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    renamed(p, "--json", p.add_argument("--out", type=Path, metavar="PATH", help="also write the results as JSON here"))
 
 
 def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     """The options of `exitspec train dflash`; `exit` adds the exit-loss group (dflash runs with the loss off).
-    The model, machine and common options come from app's shared groups (--model is also spelled --target)."""
+    The model, machine and common options come from options.py's shared groups (--model is also spelled --target)."""
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--rollouts", default="runs/rollouts", help="rollout folder")
-
     d = TrainConfig(rollouts="", run_dir="")
+    _add_rollout_options(p, d)
+    _add_feature_options(p)
+    _add_training_options(p, d, command)
+    if command == "exit":
+        _add_exit_options(p, d)
+    else:
+        p.set_defaults(**{mine: getattr(d, mine) for mine, _ in EXIT_FIELDS})  # the exit loss off
+
+
+def _add_rollout_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group("rollouts: made once (--rollouts-only), or online as training reaches them (--online)")
     g.add_argument("--rollouts-only", action="store_true", help="make (or extend) the rollouts and exit")
     g.add_argument("--online", type=integer(0), default=d.online, metavar="C",
@@ -342,6 +363,8 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
                    help="prompts in flight at once (rows of the batch)")
     g.add_argument("--shard-size", type=integer(1), default=64, help="--rollouts-only: prompts per JSONL shard")
 
+
+def _add_feature_options(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("feature cache (the target's hidden states of every rollout, computed once)")
     f.add_argument("--features", metavar="DIR", help="train on the cached features in DIR instead of running the target")
     f.add_argument("--features-only", action="store_true", help="make (or extend) the cache in --features DIR and exit")
@@ -349,6 +372,8 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     f.add_argument("--topk", type=integer(0, 1024), default=0,
                    help="also cache the target's K most likely next tokens and their probabilities (for --loss kl)")
 
+
+def _add_training_options(p: argparse.ArgumentParser, d: TrainConfig, command: str) -> None:
     t = p.add_argument_group("training")
     t.add_argument("--run-dir", default=f"runs/{command}", help="checkpoints, log, final drafter")
     t.add_argument("--init", help="start from this drafter checkpoint folder instead of a fresh drafter")
@@ -385,9 +410,9 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
     t.add_argument("--eval-datasets", nargs="+", default=list(d.eval_datasets), metavar="NAME",
                    help="held-out benchmark sets (never trained on)")
     t.add_argument("--eval-prompts", type=integer(1), default=d.eval_prompts, help="prompts per held-out dataset")
-    if command != "exit":
-        p.set_defaults(**{mine: getattr(d, mine) for mine, _ in EXIT_FIELDS})  # the exit loss off
-        return
+
+
+def _add_exit_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     x = p.add_argument_group("exit loss: L_tok + λ·L_exit on the drafter's own DDTrees (exitspec.train.exit_loss)")
     x.add_argument("--weight", dest="exit_weight", choices=WEIGHT_MODES, default="exit",
                    help="node weights: exit w(v) = P(v)·rho(v); prefix P(v) rescaled to the tree's exit mass; reach P(v) "
@@ -399,7 +424,7 @@ def _add_train(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def _add_eval(p: argparse.ArgumentParser) -> None:
-    """`exitspec train eval`'s own options; the model, machine and common options come from app's groups."""
+    """`exitspec train eval`'s own options; the model, machine and common options come from options.py's groups."""
     p.add_argument("--drafters", nargs="+", default=["dflash"], metavar="SPEC",
                    help="shipped drafters ('dflash', 'dflash-v1', 'exittrain') or DFlash checkpoint folders")
     p.add_argument("--datasets", nargs="+", default=list(BENCHMARKS), metavar="NAME",
@@ -407,7 +432,8 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
     p.add_argument("--num-prompts", type=integer(1), default=20, help="the first N samples of each dataset")
     p.add_argument("--max-new-tokens", type=integer(1), default=128, help="length of the target's held-out responses")
-    p.add_argument("--rollouts", default="runs/heldout", help="held-out responses, cached per dataset here")
+    renamed(p, "--rollouts", p.add_argument("--heldout", default="runs/heldout", metavar="DIR",
+                                            help="held-out responses, cached per dataset here"))
     p.add_argument("--budgets", type=integer(1, MAX_BUDGET), nargs="+", default=[32], help="DDTree budgets B")
     p.add_argument("--temperatures", type=real(), nargs="+", default=[0.0, 1.0], help="target warps")
     p.add_argument("--anchors", type=integer(1), default=16, help="anchors per response")

@@ -344,6 +344,7 @@ class SpeculativeDecoder:
         run, prompt_ids, timer, start = _start_run(self.target, prompt, max_new_tokens, stop_tokens, stream, chat)
         features = self.target.prefill(torch.tensor(prompt_ids[:-1], device=self.target.device))
         self.drafter.begin(torch.tensor(prompt_ids, device=self.target.device), features)
+        synchronize(self.target.device)  # once a sequence: the prefill's own time, not the first round's
         prefill_seconds = time.perf_counter() - start
         context, rounds = list(prompt_ids), []  # the token ids so far, on the host; its last one roots the next tree
         while not run.done:
@@ -463,6 +464,7 @@ def generate_autoregressive(
     params = SamplingParams(temperature, top_k, top_p)
     run, prompt_ids, timer, start = _start_run(target, prompt, max_new_tokens, stop_tokens, stream, chat)
     target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
+    synchronize(target.device)
     prefill_seconds = time.perf_counter() - start
     generator = torch.Generator(device=target.device).manual_seed(seed)
     token, rounds = prompt_ids[-1], []

@@ -30,6 +30,26 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class Renamed(argparse.Action):
+    """An option's old spelling, kept for one release (`renamed`): it warns on stderr and sets the new option."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is renamed {self.new} here; the old name goes in the next "
+              "release", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def renamed(p, old: str, new: argparse.Action) -> None:
+    """Adds `old` as a deprecated spelling of the option `new` (the action add_argument returned): same value,
+    hidden from --help, a warning when used. One flag keeps one meaning across commands."""
+    p.add_argument(old, dest=new.dest, action=Renamed, new=new.option_strings[0], nargs=new.nargs, type=new.type,
+                   metavar=new.metavar, help=argparse.SUPPRESS)
+
+
 def option(convert: Callable, what: str) -> Callable[[str], object]:
     """An argparse `type` from a converter that raises ValueError: the converter's message reaches the user."""
 

@@ -13,7 +13,7 @@ def test_synthetic_json(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["--synthetic", "--vocab", "64", "--budgets", "4", "8", "--temperatures", "1.0", "0.5", "--top-p", "0.9"]
     argv += ["--depth", "4", "--prompts", "2", "--repeats", "3", "--warmup", "1", "--device", "cpu"]
-    assert main(["latency", *argv, "--json", str(out)]) == 0
+    assert main(["latency", *argv, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["budgets"] == [4, 8] and result["vocab"] == 64 and result["mode"] == "synthetic"
     rows = result["rows"]
@@ -42,7 +42,7 @@ def test_forward_stage_json(tmp_path):
     save_tiny_llama(tmp_path / "model")
     out = tmp_path / "forward.json"
     argv = ["--stage", "forward", "--model", str(tmp_path / "model"), "--sizes", "0", "3", "6", "--context", "20",
-            "--repeats", "2", "--device", "cpu", "--json", str(out)]
+            "--repeats", "2", "--device", "cpu", "--out", str(out)]
     assert main(["latency", *argv]) == 0
     result = json.loads(out.read_text())
     assert [(r["n"], r["shape"]) for r in result["rows"]] == [
@@ -62,7 +62,7 @@ def test_profile_stage_splits_a_forward(tmp_path):
     save_tiny_llama(tmp_path / "model")
     out = tmp_path / "profile.json"
     argv = ["--stage", "profile", "--model", str(tmp_path / "model"), "--sizes", "0", "4", "--context", "20",
-            "--repeats", "2", "--device", "cpu", "--json", str(out)]
+            "--repeats", "2", "--device", "cpu", "--out", str(out)]
     assert main(["latency", *argv]) == 0
     result = json.loads(out.read_text())
     assert [r["n"] for r in result["rows"]] == [0, 4] and "row_plan" in result
@@ -70,3 +70,13 @@ def test_profile_stage_splits_a_forward(tmp_path):
         parts = row["products_ms"] + row["lm_head_ms"] + row["attention_ms"] + row["other_ms"]
         assert row["total_ms"] > 0 and row["attention_ms"] > 0 and row["lm_head_ms"] > 0
         assert parts == pytest.approx(row["total_ms"])
+
+
+def test_the_old_spelling_of_a_renamed_option_warns_and_still_works(tmp_path, capsys):
+    """`latency --json PATH` became `--out PATH` (`--json` is a flag everywhere else): kept for one release."""
+    out = tmp_path / "old.json"
+    argv = ["--synthetic", "--vocab", "64", "--budgets", "4", "--temperatures", "1.0", "--depth", "3", "--prompts", "1",
+            "--repeats", "1", "--warmup", "0", "--device", "cpu"]
+    assert main(["latency", *argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["budgets"] == [4]
+    assert "--json is renamed --out here" in capsys.readouterr().err

@@ -114,7 +114,7 @@ def test_latency_reports_the_suffix_costs(tmp_path, capsys):
 
     from exitspec.cli import main
 
-    assert main(["latency", "--stage", "suffix", "--sizes", "3000", "--json", str(tmp_path / "s.json")]) == 0
+    assert main(["latency", "--stage", "suffix", "--sizes", "3000", "--out", str(tmp_path / "s.json")]) == 0
     (row,) = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert 2000 < row["stored"] <= 3000 and row["answers"] > 1 and row["memory_mib"] > 0
     assert 0 < row["update_us"] < row["lookup_us"] and row["learn_us_per_token"] > 0

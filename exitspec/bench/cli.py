@@ -33,8 +33,8 @@ from exitspec.settings import budget_cap, parse_budget
 
 def run(args) -> int:
     """Checks the options, loads the prompts, then the model; measures what is not measured yet; reports."""
-    if args.compare:
-        paths = report.write_comparison(*args.compare, args.out or Path("runs/bench/compare"))
+    if args.compare_results:
+        paths = report.write_comparison(*args.compare_results, args.out or Path("runs/bench/compare"))
         print(paths["markdown"].read_text())
         return 0
     if args.report:

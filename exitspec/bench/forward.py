@@ -15,7 +15,6 @@ to that backend's own step.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from rich.console import Console
@@ -127,10 +126,7 @@ def profile(model=None, device=None, dtype="auto", threads=None, sizes=(0, 4, 8,
     for n, verify_nothing in zip(sizes, chain_runs(target, list(sizes), context)):
         verify_nothing()
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
-            for _ in range(repeats):
-                verify_nothing()
-            total = (time.perf_counter() - start) / repeats
+            total = sum(timings(verify_nothing, repeats, target.device)) / repeats
         ops = {e.key: e.self_cpu_time_total / 1e6 / repeats for e in prof.key_averages()}
         products = sum(ops.get(k, 0.0) for k in PRODUCTS)
         attention = sum(ops.get(k, 0.0) for k in ATTENTION)

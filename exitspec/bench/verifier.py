@@ -37,7 +37,6 @@ import json
 import math
 import os
 import statistics
-import time
 from collections import defaultdict
 
 import torch
@@ -47,6 +46,7 @@ from torch import Tensor
 
 from exitspec.app import load_decoders
 from exitspec.bench import forward, rounds, suffix
+from exitspec.budget import timings
 from exitspec.build import build_ddtree
 from exitspec.decode import encode_prompt
 from exitspec.drafters import DFlashDrafter
@@ -136,17 +136,6 @@ def synthetic_pairs(
     return pairs
 
 
-def _seconds(fn, device: torch.device) -> float:
-    """Wall-clock seconds of one call of fn, with the device synchronised on both sides."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
 def time_pair(
     tree: DraftTree, logits: Tensor, params: SamplingParams, repeats: int, warmup: int, gen: torch.Generator
 ) -> dict[str, list[float]]:
@@ -163,7 +152,7 @@ def time_pair(
     for r in range(warmup + repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no call always follows another
             fresh = DraftTree(tree.parents, tree.tokens, tree.depths, host=tree.host)  # empty structure caches
-            seconds = _seconds(lambda call=calls[name], t=fresh: call(t), logits.device)
+            (seconds,) = timings(lambda call=calls[name], t=fresh: call(t), 1, logits.device)
             if r >= warmup:
                 samples[name].append(seconds)
     return samples
@@ -251,11 +240,11 @@ def run(args) -> int:
         result = rounds.measure(PROMPTS[: args.prompts], args.model, args.drafter, args.device, args.dtype, args.threads,
                                 [parse_budget(b) for b in args.round_budgets], args.temperatures or [0.0, 1.0])
         rounds.print_table(result, Console(width=160))
-        return _write_json(result, args.json)
+        return _write_json(result, args.out)
     if args.stage == "suffix":
         result = suffix.measure(args.model, args.sizes or suffix.SIZES)
         suffix.print_table(result, Console())
-        return _write_json(result, args.json)
+        return _write_json(result, args.out)
     sizes = args.sizes or forward.SIZES
     if max(sizes) > MAX_BUDGET:
         raise ValueError(f"--sizes: a tree holds at most {MAX_BUDGET} draft tokens, got {max(sizes)}")
@@ -273,7 +262,7 @@ def run(args) -> int:
             args.top_p, args.prompts, args.depth, args.repeats, args.warmup, args.synthetic, args.vocab, args.seed,
         )
         print_tables(result, Console())
-    return _write_json(result, args.json)
+    return _write_json(result, args.out)
 
 
 def _write_json(result: dict, path: str | None) -> int:

@@ -157,7 +157,7 @@ def run_eval(args) -> list[dict]:
     decoders = load_decoders(args.model, args.drafters, args.device, args.dtype, args.threads, budgets=(),
                              warm_start=not args.no_warm_start, learn=False)
     model, tokenizer = next(iter(decoders.values())).target.model, next(iter(decoders.values())).target.tokenizer
-    heldout = make_heldout(model, tokenizer, model_name(args.model), args.datasets, args.rollouts, args.num_prompts,
+    heldout = make_heldout(model, tokenizer, model_name(args.model), args.datasets, args.heldout, args.num_prompts,
                            args.max_new_tokens, args.data_dir, progress=not args.no_progress)
     data = {name: RolloutData(rollouts, max_len=1 << 20, seed=args.seed) for name, rollouts in heldout.items()}
     rows = []

@@ -163,51 +163,65 @@ def generate_responses(
         return
     if not prompts:
         return
-    rows = min(rows, len(prompts))
-    device = model.get_output_embeddings().weight.device
-    batch = LeanBatch(model, rows, max(len(ids) for _, ids in prompts) + max_new_tokens)
-    watch = LoopWatch(rows, max_new_tokens, loop_repeats, device)
-    eos = torch.tensor(list(eos_ids), device=device)
+    pool = _Rows(model, prompts, min(rows, len(prompts)), max_new_tokens, temperature, seed, loop_repeats, eos_ids)
     queue = deque(range(len(prompts)))
-    owner: list[int | None] = [None] * rows  # the prompt index each row holds
-    generators: list[torch.Generator | None] = [None] * rows
-    sizes = torch.zeros(rows, dtype=torch.long, device=device)  # [R] response tokens so far
-    tokens = torch.zeros(rows, dtype=torch.long, device=device)  # [R] each row's last token, the next input
-
-    def finish(row: int) -> tuple[int, list[int]]:
-        done = owner[row], watch.tokens[row, : int(sizes[row])].tolist()
-        owner[row] = None
-        return done
-
-    def accept(new: Tensor, live: Tensor) -> Tensor:
-        """Records the new tokens [R] of the live rows [R]; returns [R] bool: the rows whose response just ended."""
-        looped = watch.add(new, sizes, live)
-        sizes.add_(live.long())
-        tokens.copy_(torch.where(live, new, tokens))
-        return live & (torch.isin(new, eos) | (sizes >= max_new_tokens) | looped)
-
     while True:
-        for row in range(rows):
-            while owner[row] is None and queue:  # a new prompt for an idle row (a one-token response ends at once)
-                index = queue.popleft()
-                pid, ids = prompts[index]
-                owner[row], sizes[row] = index, 0
-                generators[row] = prompt_generator(seed, pid, device) if temperature > 0 else None
-                watch.reset(row)
-                logits = batch.prefill(row, torch.tensor(ids, device=device))
-                new = tokens.clone()
-                new[row] = next_tokens(logits[None], temperature, [generators[row]])[0]
-                live = torch.arange(rows, device=device) == row
-                if bool(accept(new, live)[row]):
-                    yield finish(row)
-        live = torch.tensor([o is not None for o in owner], device=device)
+        for row in range(pool.rows):
+            while pool.owner[row] is None and queue:  # a new prompt for an idle row (a one-token response ends at once)
+                if pool.start(row, queue.popleft()):
+                    yield pool.finish(row)
+        live = torch.tensor([o is not None for o in pool.owner], device=pool.device)
         if not bool(live.any()):
             return
-        new = next_tokens(batch.step(tokens), temperature, generators)  # [R]
-        ended = accept(new, live)
-        batch.lengths.masked_fill_(~live, 0)  # idle rows stay empty
-        for row in ended.nonzero().flatten().tolist():
-            yield finish(row)
+        for row in pool.step(live):
+            yield pool.finish(row)
+
+
+class _Rows:
+    """The rows of a lean batch, each answering one prompt at a time (generate_responses): which prompt a row
+    holds, its sampler, its response so far (in the loop watch) and its last token, the next input."""
+
+    def __init__(self, model, prompts, rows, max_new_tokens, temperature, seed, loop_repeats, eos_ids):
+        self.prompts, self.rows, self.max_new_tokens, self.temperature, self.seed = (
+            prompts, rows, max_new_tokens, temperature, seed)
+        self.device = model.get_output_embeddings().weight.device
+        self.batch = LeanBatch(model, rows, max(len(ids) for _, ids in prompts) + max_new_tokens)
+        self.watch = LoopWatch(rows, max_new_tokens, loop_repeats, self.device)
+        self.eos = torch.tensor(list(eos_ids), device=self.device)
+        self.owner: list[int | None] = [None] * rows  # the prompt index each row holds
+        self.generators: list[torch.Generator | None] = [None] * rows
+        self.sizes = torch.zeros(rows, dtype=torch.long, device=self.device)  # [R] response tokens so far
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # [R] each row's last token
+
+    def start(self, row: int, index: int) -> bool:
+        """Prefills prompt `index` into `row` and draws its first token; True when that already ends it."""
+        pid, ids = self.prompts[index]
+        self.owner[row], self.sizes[row] = index, 0
+        self.generators[row] = prompt_generator(self.seed, pid, self.device) if self.temperature > 0 else None
+        self.watch.reset(row)
+        logits = self.batch.prefill(row, torch.tensor(ids, device=self.device))
+        new = self.tokens.clone()
+        new[row] = next_tokens(logits[None], self.temperature, [self.generators[row]])[0]
+        return bool(self._accept(new, torch.arange(self.rows, device=self.device) == row)[row])
+
+    def step(self, live: Tensor) -> list[int]:
+        """One decoding step of every live row [R]; returns the rows whose response just ended."""
+        new = next_tokens(self.batch.step(self.tokens), self.temperature, self.generators)  # [R]
+        ended = self._accept(new, live)
+        self.batch.lengths.masked_fill_(~live, 0)  # idle rows stay empty
+        return ended.nonzero().flatten().tolist()
+
+    def finish(self, row: int) -> tuple[int, list[int]]:
+        done = self.owner[row], self.watch.tokens[row, : int(self.sizes[row])].tolist()
+        self.owner[row] = None
+        return done
+
+    def _accept(self, new: Tensor, live: Tensor) -> Tensor:
+        """Records the new tokens [R] of the live rows [R]; returns [R] bool: the rows whose response just ended."""
+        looped = self.watch.add(new, self.sizes, live)
+        self.sizes.add_(live.long())
+        self.tokens.copy_(torch.where(live, new, self.tokens))
+        return live & (torch.isin(new, self.eos) | (self.sizes >= self.max_new_tokens) | looped)
 
 
 def _transformers_responses(

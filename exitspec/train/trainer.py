@@ -37,7 +37,7 @@ from exitspec.train import dist
 from exitspec.train.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from exitspec.train.config import EXIT_FIELDS, ExitConfig, TrainConfig
 from exitspec.train.dflash_loss import BlockLoss, DFlashObjective, sample_anchors, target_features
-from exitspec.train.exit_loss import ExitLoss, train_loss
+from exitspec.train.exit_loss import ExitLoss, TrainLoss, train_loss
 from exitspec.train.features import FeatureStore
 from exitspec.train.heldout import HELDOUT_TOKENS, GreedyCheck, make_heldout
 from exitspec.train.online import OnlineData, training_prompts
@@ -112,123 +112,168 @@ class Window:
         }
 
 
+@dataclass
+class _Session:
+    """What a training run holds between steps: the frozen target, the drafter and its optimizer, the data stream
+    and where in it the run is, the objective (DDP-wrapped under torchrun), and the optional feature cache,
+    held-out check and log."""
+
+    cfg: TrainConfig
+    d: dist.Dist
+    target: torch.nn.Module
+    drafter: DFlashModel
+    optimizer: torch.optim.AdamW
+    data: RolloutData | OnlineData
+    objective: DFlashObjective
+    model: torch.nn.Module  # the objective, or its DDP wrapper
+    anchor_gen: torch.Generator
+    store: FeatureStore | None = None
+    check: GreedyCheck | None = None
+    log: object = None
+    resumed: Path | None = None
+    step: int = 0
+    position: int = 0
+
+
 def train(
     cfg: TrainConfig, stop_at: int | None = None, progress: bool = True, device: str | None = None
 ) -> TrainResult:
     """Trains (or resumes) the run in cfg.run_dir up to cfg.steps, or stops at step `stop_at` with a checkpoint.
 
     Runs as one process, or as one of several under torchrun (DDP: nccl on GPUs, gloo on CPUs)."""
+    run = _start(cfg, progress, device)
+    end = min(cfg.steps, stop_at if stop_at is not None else cfg.steps)
+    started, last = run.step, None
+    bar = tqdm(total=cfg.steps, initial=run.step, desc="train dflash", unit="step",
+               disable=not (progress and run.d.main))
+    window = Window(run.drafter.block_size, run.d.device)
+    while run.step < end:
+        lr, out, tokens, grad_norm = _step(run)
+        window.add(out.block, tokens, grad_norm)
+        if out.exit is not None:
+            window.add_exit(out.exit)
+        bar.update(1)
+        if run.step % cfg.log_every == 0 or run.step == end:
+            last = {"step": run.step, "epoch": round(run.position / len(run.data), 4), "lr": lr,
+                    **window.reduce(run.d.world)}
+            window = Window(run.drafter.block_size, run.d.device)
+            _log(run, last)
+            bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tok_s=f"{last['tok_per_s']:.0f}")
+        if run.check is not None and (run.step % cfg.eval_every == 0 or run.step == end):
+            _log(run, {"step": run.step, "epoch": round(run.position / len(run.data), 4),
+                       "heldout": run.check(run.objective)})
+        if run.step % cfg.save_every == 0 or run.step == end:
+            state = {"step": run.step, "data": {"position": run.position, "sequences": len(run.data)},
+                     "config": asdict(cfg)}
+            save_checkpoint(Path(cfg.run_dir) / "checkpoints", run.step, run.drafter, run.optimizer, state,
+                            run.anchor_gen, run.d, cfg.keep)
+    bar.close()
+    return _finish(run, started, last)
+
+
+def _start(cfg: TrainConfig, progress: bool, device: str | None) -> _Session:
+    """Loads the target, makes the drafter, optimizer and data, then resumes the latest checkpoint (or scales a
+    fresh drafter's fc to the first batch's features) and opens the log."""
     d = dist.setup(device)
-    run_dir, ckpt_dir = Path(cfg.run_dir), Path(cfg.run_dir) / "checkpoints"
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    bf16 = cfg.dtype == "bfloat16"
     target, tokenizer = load_model_and_tokenizer(cfg.target, d.device, getattr(torch, cfg.dtype))
     drafter = make_drafter(cfg, target).to(d.device).train()
-    optimizer = make_optimizer(drafter, cfg)
     data = make_data(cfg, target, tokenizer, d, progress)
     if cfg.draft_vocab:
         apply_draft_vocab(drafter, cfg.draft_vocab, data, target)
     objective = DFlashObjective(
         drafter, target.get_input_embeddings(), target.get_output_embeddings(), cfg.gamma, cfg.loss
     )
-    store = None
+    # DDP averages the drafter's gradients; its one buffer, the draft vocabulary, is the same everywhere
+    model = objective if d.world == 1 else DistributedDataParallel(
+        objective, device_ids=[d.device] if d.device.type == "cuda" else None, broadcast_buffers=False
+    )
+    run = _Session(cfg, d, target, drafter, make_optimizer(drafter, cfg), data, objective, model,
+                   torch.Generator().manual_seed(cfg.seed * 65_536 + d.rank + 1))
     if cfg.features:  # the target's features read from the cache: the steps skip the target forward
-        store = FeatureStore(cfg.features, drafter.config.target_layer_ids, model_name(cfg.target))
-        store.check_covers(data.keys)
-    anchor_gen = torch.Generator().manual_seed(cfg.seed * 65_536 + d.rank + 1)
-
-    step, position = 0, 0
-    resumed = latest_checkpoint(ckpt_dir)
-    if resumed is not None:
-        _check_resumable(read_state(resumed), cfg, len(data), resumed)  # before weights of another shape fail
-        state = load_checkpoint(resumed, drafter, optimizer, anchor_gen, d)
-        step, position = state["step"], state["data"]["position"]
-    elif not cfg.init:  # a fresh drafter: scale fc to the features of the first batch (the same on every rank)
-        ids, _, lengths = data.batch(0, 0, cfg.batch_size)
-        ids, lengths = ids.to(d.device), lengths.to(d.device)
-        features = target_features(target, ids, lengths, drafter.config.target_layer_ids)  # [B, L, F]
-        real = torch.arange(ids.shape[1], device=d.device) < lengths[:, None]  # [B, L]
-        real[:, 0] = False  # the first token is an attention sink with a huge norm
-        drafter.calibrate_fc(features[real])
-    check = None
+        run.store = FeatureStore(cfg.features, drafter.config.target_layer_ids, model_name(cfg.target))
+        run.store.check_covers(data.keys)
+    _resume(run)
     if cfg.eval_every and d.main:  # the held-out greedy check, logged every eval_every steps (heldout.py)
         heldout = make_heldout(target, tokenizer, model_name(cfg.target), cfg.eval_datasets, cfg.eval_dir,
                                cfg.eval_prompts, HELDOUT_TOKENS, cfg.data_dir, progress=progress)
-        check = GreedyCheck(target, heldout, drafter.config.target_layer_ids, seed=cfg.seed)
-    if d.world > 1:  # DDP averages the drafter's gradients; its one buffer, the draft vocabulary, is the same everywhere
-        model = DistributedDataParallel(
-            objective, device_ids=[d.device] if d.device.type == "cuda" else None, broadcast_buffers=False
-        )
-    else:
-        model = objective
-    log = _open_log(run_dir / "log.jsonl", step) if d.main else None
+        run.check = GreedyCheck(target, heldout, drafter.config.target_layer_ids, seed=cfg.seed)
     if d.main:
-        where = f"resuming {resumed} at step {step}" if resumed else "starting"
+        run.log = _open_log(Path(cfg.run_dir) / "log.jsonl", run.step)
+        where = f"resuming {run.resumed} at step {run.step}" if run.resumed else "starting"
         what = (f"{len(data)} prompts answered online, {cfg.online} at a time" if cfg.online
                 else f"{len(data)} sequences ({data.dropped} too short dropped)")
         tqdm.write(
             f"{where}: {what}, drafter "
             f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {d.world} process(es) on {d.device}"
         )
+    return run
 
-    end = min(cfg.steps, stop_at if stop_at is not None else cfg.steps)
-    bar = tqdm(total=cfg.steps, initial=step, desc="train dflash", unit="step", disable=not (progress and d.main))
-    window, last = Window(drafter.block_size, d.device), None
-    layer_ids = drafter.config.target_layer_ids
-    started = step
-    exit_cfg = cfg.exit_config()
-    while step < end:
-        ids, starts, lengths = data.batch(position, d.rank, cfg.batch_size)
-        anchors, keep = sample_anchors(starts, lengths, cfg.anchors, anchor_gen)
-        ids, lengths, anchors, keep = (t.to(d.device) for t in (ids, lengths, anchors, keep))
-        soft = None
-        if store is None:
-            features = target_features(target, ids, lengths, layer_ids)  # [B, L, F]
-        else:
-            keys = data.keys_at(position, d.rank, cfg.batch_size)
-            features = store.batch(keys, lengths, d.device, target.dtype)  # [B, L, F]
-            soft = store.soft_targets(keys, lengths, d.device) if cfg.loss != "ce" else None  # [B, L, k] x 2
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = train_loss(model, target, ids, features, lengths, anchors, keep, exit_cfg, soft)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        optimizer.step()
-        step, position = step + 1, position + d.world * cfg.batch_size
-        window.add(out.block, int(lengths.sum()), grad_norm)
-        if out.exit is not None:
-            window.add_exit(out.exit)
-        bar.update(1)
 
-        if step % cfg.log_every == 0 or step == end:
-            last = {"step": step, "epoch": round(position / len(data), 4), "lr": lr, **window.reduce(d.world)}
-            window = Window(drafter.block_size, d.device)
-            if d.main:
-                log.write(json.dumps(last) + "\n")
-                log.flush()
-                bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['acc']:.3f}", tok_s=f"{last['tok_per_s']:.0f}")
-        if check is not None and (step % cfg.eval_every == 0 or step == end):
-            log.write(json.dumps({"step": step, "epoch": round(position / len(data), 4), "heldout": check(objective)})
-                      + "\n")
-            log.flush()
-        if step % cfg.save_every == 0 or step == end:
-            state = {"step": step, "data": {"position": position, "sequences": len(data)}, "config": asdict(cfg)}
-            save_checkpoint(ckpt_dir, step, drafter, optimizer, state, anchor_gen, d, cfg.keep)
-    bar.close()
+def _resume(run: _Session) -> None:
+    """Restores the latest checkpoint of the run folder; without one, a fresh drafter's fc is scaled to the
+    features of the first batch (the same on every rank)."""
+    cfg, d = run.cfg, run.d
+    run.resumed = latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
+    if run.resumed is not None:
+        _check_resumable(read_state(run.resumed), cfg, len(run.data), run.resumed)  # before weights of another shape fail
+        state = load_checkpoint(run.resumed, run.drafter, run.optimizer, run.anchor_gen, d)
+        run.step, run.position = state["step"], state["data"]["position"]
+    elif not cfg.init:
+        ids, _, lengths = run.data.batch(0, 0, cfg.batch_size)
+        ids, lengths = ids.to(d.device), lengths.to(d.device)
+        features = target_features(run.target, ids, lengths, run.drafter.config.target_layer_ids)  # [B, L, F]
+        real = torch.arange(ids.shape[1], device=d.device) < lengths[:, None]  # [B, L]
+        real[:, 0] = False  # the first token is an attention sink with a huge norm
+        run.drafter.calibrate_fc(features[real])
 
-    summary = {"step": step, "steps": cfg.steps, "steps_this_run": step - started, "last_window": last}
-    if d.main:
-        log.close()
-        if step == cfg.steps and step > started:
-            drafter.save_pretrained(run_dir / "final")
+
+def _step(run: _Session) -> tuple[float, TrainLoss, int, Tensor]:
+    """One optimizer step on the next batch: (learning rate, the loss's parts, tokens seen, gradient norm)."""
+    cfg, d = run.cfg, run.d
+    ids, starts, lengths = run.data.batch(run.position, d.rank, cfg.batch_size)
+    anchors, keep = sample_anchors(starts, lengths, cfg.anchors, run.anchor_gen)
+    ids, lengths, anchors, keep = (t.to(d.device) for t in (ids, lengths, anchors, keep))
+    soft = None
+    if run.store is None:
+        features = target_features(run.target, ids, lengths, run.drafter.config.target_layer_ids)  # [B, L, F]
+    else:
+        keys = run.data.keys_at(run.position, d.rank, cfg.batch_size)
+        features = run.store.batch(keys, lengths, d.device, run.target.dtype)  # [B, L, F]
+        soft = run.store.soft_targets(keys, lengths, d.device) if cfg.loss != "ce" else None  # [B, L, k] x 2
+    lr = lr_at(run.step, cfg)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+        out = train_loss(run.model, run.target, ids, features, lengths, anchors, keep, cfg.exit_config(), soft)
+    run.optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), cfg.grad_clip)
+    run.optimizer.step()
+    run.step, run.position = run.step + 1, run.position + d.world * cfg.batch_size
+    return lr, out, int(lengths.sum()), grad_norm
+
+
+def _log(run: _Session, record: dict) -> None:
+    """One line of log.jsonl (the main process only)."""
+    if run.log is not None:
+        run.log.write(json.dumps(record) + "\n")
+        run.log.flush()
+
+
+def _finish(run: _Session, started: int, last: dict | None) -> TrainResult:
+    """Closes the log; a run that reached cfg.steps saves the drafter as run_dir/final with a summary."""
+    run_dir = Path(run.cfg.run_dir)
+    summary = {"step": run.step, "steps": run.cfg.steps, "steps_this_run": run.step - started, "last_window": last}
+    if run.d.main:
+        run.log.close()
+        if run.step == run.cfg.steps and run.step > started:
+            run.drafter.save_pretrained(run_dir / "final")
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print_summary(summary, run_dir)
     dist.barrier()
-    return TrainResult(drafter, summary)
+    return TrainResult(run.drafter, summary)
 
 
 def make_data(cfg: TrainConfig, target, tokenizer, d: dist.Dist, progress: bool) -> RolloutData | OnlineData:

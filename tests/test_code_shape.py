@@ -1,6 +1,6 @@
-"""Dependencies point one way: the core (tree → flow → verify → build → models → target → decode, drafters,
-train, hf) → app (load_decoders) → the commands (inspect, bench, train.cli) → cli. Parsed from the source, so an
-upward import or a cycle fails here before it confuses a reader."""
+"""The code's shape. Dependencies point one way: the core (tree → flow → verify → build → models → target →
+decode, with drafters, train and hf) → app (load_decoders) → the commands (inspect, bench, train.cli) → cli.
+Parsed from the source, so an upward import, a cycle or a long function fails here before it confuses a reader."""
 
 import ast
 from pathlib import Path
@@ -96,3 +96,13 @@ def test_only_the_command_line_imports_inside_functions():
     late = [(m, name) for m, path in known.items() if m != "exitspec.cli"
             for name, in_function in imports(path, set(known)) if in_function]
     assert late == [], late
+
+
+def test_no_function_is_longer_than_sixty_lines():
+    """Long functions get split along their stages (trainer.train: start, step, log, finish)."""
+    long = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}")
+    assert long == [], long
