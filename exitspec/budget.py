@@ -26,7 +26,7 @@ what it realised, (1 + C_p) over the round's seconds, and the better one drafts.
 again after EXPLORE_EVERY rounds so that its mean stays current; each time it is still the worse, the wait
 doubles (up to MAX_EXPLORE_EVERY), and it returns to EXPLORE_EVERY once it wins. At T = 1 with a weak
 drafter, where a block forward costs a third of a step and almost never pays, the exploring rounds
-otherwise cost about 4% of the run (MT-Bench, session 25).
+otherwise cost about 4% of the run (MT-Bench).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Online training data: the frozen target answers fresh prompts while the drafter trains (ExitTrain's
-setting, issue 19), instead of a fixed rollout folder replayed every epoch.
+setting), instead of a fixed rollout folder replayed every epoch.
 
 The prompt list (`training_prompts`: GSM8K train, ShareGPT first turns, code prompts, interleaved) is cut into
 chunks of C prompts. Chunk k is answered by the target in one continuous batch (generate.py) at temperature
