@@ -356,26 +356,6 @@ def test_hf_datasets_need_the_datasets_package():
         datasets.load_dataset("hf:openai/gsm8k:test")
 
 
-def test_table3_runs_the_verifier_benchmark(tmp_path, monkeypatch, capsys):
-    """The table3 preset hands its options to exitspec.bench.verifier.measure and renders the result as Markdown."""
-    from exitspec.bench import verifier
-
-    real_measure, seen = verifier.measure, []
-    synthetic = {"synthetic": True, "vocab": 64, "depth": 4, "repeats": 2, "warmup": 1}
-
-    def measure(*args, **kwargs):
-        seen.append(kwargs)
-        return real_measure(*args, **{**kwargs, **synthetic})
-
-    monkeypatch.setattr(verifier, "measure", measure)
-    argv = ["--preset", "table3", "--budgets", "4", "8", "--temperatures", "1", "--num-prompts", "2"]
-    assert main(["bench", *argv, "--device", "cpu", "--out", str(tmp_path)]) == 0
-    assert seen[0]["budgets"] == [4, 8] and seen[0]["temperatures"] == [1.0] and seen[0]["prompts"] == 2
-    md = (tmp_path / "table3.md").read_text()
-    assert "| B | N | T | C_p | predraw ms | TEV ms | speedup |" in md and md.count("\n| 4 |") == 1
-    assert json.loads((tmp_path / "table3.json").read_text())["budgets"] == [4, 8]
-
-
 def test_rows_round_trip_and_old_files_load(tmp_path):
     """dump_row/load_row are inverse; version-1 rows (no version field, no tree_sizes) load; newer ones do not."""
     from exitspec.bench.rows import ROW_VERSION, dump_row, load_row

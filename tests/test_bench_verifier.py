@@ -15,6 +15,8 @@ def test_synthetic_json(tmp_path):
     argv += ["--depth", "4", "--prompts", "2", "--repeats", "3", "--warmup", "1", "--device", "cpu"]
     assert main(["latency", *argv, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    table = out.with_suffix(".md").read_text()  # the paper's Table 3 beside it
+    assert "| B | N | T | C_p | predraw ms | TEV ms | speedup |" in table and table.count("\n| 4 |") == 2
     assert result["budgets"] == [4, 8] and result["vocab"] == 64 and result["mode"] == "synthetic"
     rows = result["rows"]
     assert [(r["budget"], r["temperature"]) for r in rows] == [(4, 1.0), (4, 0.5), (8, 1.0), (8, 0.5)]

@@ -17,18 +17,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.console import Console
-
 from exitspec.app import check_budgets, load_decoders
-from exitspec.bench import report, verifier
+from exitspec.bench import report
 from exitspec.bench.peers import run_peers
-from exitspec.bench.presets import CUSTOM, PRESETS, VERIFIER_LATENCY
+from exitspec.bench.presets import CUSTOM, PRESETS
 from exitspec.bench.rows import SpecRow
 from exitspec.bench.runner import Plan, ResultsFile, Runner, configs, environment, results_lock, run_plan
 from exitspec.budget import CostModel
 from exitspec.data import load_dataset
 from exitspec.drafters import default_drafter
-from exitspec.settings import budget_cap, parse_budget
+from exitspec.settings import parse_budget
 
 
 def run(args) -> int:
@@ -40,8 +38,6 @@ def run(args) -> int:
     if args.report:
         return _print_report(report.write_report(args.report, args.out))
     out = args.out or Path("runs/bench") / (args.preset or "custom")
-    if args.preset == VERIFIER_LATENCY:
-        return _verifier_latency(args, out)
 
     preset = PRESETS.get(args.preset, CUSTOM)
     budgets = args.budgets or [parse_budget(b) for b in preset.budgets]
@@ -97,17 +93,3 @@ def _print_report(paths: dict[str, Path]) -> int:
     return 0
 
 
-def _verifier_latency(args, out: Path) -> int:
-    """The table3 preset: `exitspec latency` on the same model and machine, plus its Markdown table."""
-    budgets = [budget_cap(b) for b in args.budgets or []]
-    settings = {"budgets": budgets, "temperatures": args.temperatures, "prompts": args.num_prompts}
-    result = verifier.measure(
-        args.model, args.drafters[0] if args.drafters else None, args.device, args.dtype, args.threads,
-        top_p=args.top_p, seed=args.seed, **{k: v for k, v in settings.items() if v},
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table3.json").write_text(json.dumps(result, indent=2))
-    verifier.print_tables(result, Console())
-    (out / "table3.md").write_text(report.verifier_markdown(result))
-    print(f"report: {out / 'table3.md'} (+ table3.json)")
-    return 0

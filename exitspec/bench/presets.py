@@ -3,7 +3,6 @@
 | preset | measures                                                                                  |
 |--------|-------------------------------------------------------------------------------------------|
 | table1 | τ and SR per dataset x temperature {0, 1} x verifier {predraw, tev}, B = 32               |
-| table3 | verifier-stage latency, predraw vs TEV, on realised trees (exitspec.bench.verifier)       |
 | table4 | drafters x verifiers {greedy (T = 0 only), predraw, sequential, tev} crossed, B = 32      |
 | table5 | budget sweep with tev: each drafter's chain (at B = 64), then trees of B = 8, 16, 32, 64  |
 | edit   | copy-heavy sets (humaneval-edit, gsm8k-rewrite) x temperature {0, 1}, tev, --budget auto  |
@@ -29,7 +28,6 @@ def peer_option(value: str) -> str:
         return value
     raise ValueError(f"unknown peer {value!r}: choose among {', '.join(PEERS)} or hf-assistant:layers:K / "
                      "hf-assistant:model:PATH")
-VERIFIER_LATENCY = "table3"  # runs exitspec.bench.verifier instead of the decode benchmark
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,6 @@ class Preset:
 
 PRESETS = {
     "table1": Preset(temperatures=(0.0, 1.0), verifiers=("predraw", "tev")),
-    VERIFIER_LATENCY: Preset(),
     "table4": Preset(temperatures=(0.0, 1.0), verifiers=("greedy", "predraw", "sequential", "tev")),
     "table5": Preset(temperatures=(0.0, 1.0), budgets=(8, 16, 32, 64), chain=True),
     "edit": Preset(temperatures=(0.0, 1.0), budgets=("auto",), datasets=EDITS),

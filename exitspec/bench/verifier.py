@@ -38,6 +38,7 @@ import math
 import os
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -46,6 +47,7 @@ from torch import Tensor
 
 from exitspec.app import load_decoders
 from exitspec.bench import forward, rounds, suffix
+from exitspec.bench.report import verifier_markdown
 from exitspec.budget import timings
 from exitspec.build import build_ddtree
 from exitspec.decode import encode_prompt
@@ -235,7 +237,8 @@ def print_tables(result: dict, console: Console) -> None:
 
 
 def run(args) -> int:
-    """`exitspec latency`: measures, prints the tables and with --json writes the results."""
+    """`exitspec latency`: measures, prints the tables and with --out writes the results (JSON; the verifier
+    stage's also as Markdown, OUT with .md)."""
     if args.stage == "round":
         result = rounds.measure(PROMPTS[: args.prompts], args.model, args.drafter, args.device, args.dtype, args.threads,
                                 [parse_budget(b) for b in args.round_budgets], args.temperatures or [0.0, 1.0])
@@ -262,6 +265,8 @@ def run(args) -> int:
             args.top_p, args.prompts, args.depth, args.repeats, args.warmup, args.synthetic, args.vocab, args.seed,
         )
         print_tables(result, Console())
+        if args.out:  # the paper's Table 3 as Markdown beside the JSON
+            Path(args.out).with_suffix(".md").write_text(verifier_markdown(result))
     return _write_json(result, args.out)
 
 
