@@ -88,7 +88,7 @@ def load_drafter(spec: str | Path, target_hf_model, lookup: str | Path = "auto",
     else:
         path = _lookup_path(name, folder, lookup)
         table = NgramTable.load(path, vocab_size) if path is not None else None
-        drafter = DFlashDrafter.from_pretrained(folder, target_hf_model, lookup=table)
+        drafter = DFlashDrafter.from_pretrained(folder, target_hf_model, lookup=table, weight_copies=weight_copies)
     return ChainDrafter(drafter) if chained else drafter
 
 

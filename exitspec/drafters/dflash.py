@@ -93,6 +93,7 @@ class DFlashDrafter:
         device=None,
         suffix_source: bool = True,
         lookup: NgramTable | None = None,
+        weight_copies: bool = True,
     ):
         cfg = model.config
         vocab, hidden = target_lm_head.weight.shape
@@ -108,7 +109,8 @@ class DFlashDrafter:
         self.embed = target_embeddings
         self.lm_head = target_lm_head
         self.head = DraftHead(target_lm_head, self.model.draft_vocab)  # W or its draft-vocabulary rows
-        self.head.panels = cheaper_panels(self.head.weight, cfg.block_size - 1)  # for a block's rows, if they pay
+        if weight_copies:  # the head laid out again for a block's rows, if that pays (a copy of it: lean.Panels)
+            self.head.panels = cheaper_panels(self.head.weight, cfg.block_size - 1)
         self.feature_layers: tuple[int, ...] = tuple(cfg.target_layer_ids)
         self.block_size = cfg.block_size
         self.vocab_size = vocab
@@ -130,16 +132,18 @@ class DFlashDrafter:
     @classmethod
     def from_pretrained(
         cls, folder, target_hf_model, device=None, dtype: torch.dtype | None = None, suffix_source: bool = True,
-        lookup: NgramTable | None = None,
+        lookup: NgramTable | None = None, weight_copies: bool = True,
     ) -> DFlashDrafter:
         """Loads a checkpoint folder for an HF causal LM target, after checking that the target fits it.
         The drafter takes the target's device and embedding dtype unless told otherwise; `suffix_source`
-        adds suffix-tree candidates to its trees, `lookup` corpus-lookup ones."""
+        adds suffix-tree candidates to its trees, `lookup` corpus-lookup ones; `weight_copies` lets its head be
+        laid out again where that is faster (TargetModel)."""
         tc = target_hf_model.config.get_text_config()
         embed, lm_head = target_hf_model.get_input_embeddings(), target_hf_model.get_output_embeddings()
         DFlashConfig.load(folder).check_target(tc.hidden_size, lm_head.weight.shape[0], tc.num_hidden_layers)
         model = DFlashModel.from_pretrained(folder, dtype=dtype or embed.weight.dtype)
-        return cls(model, embed, lm_head, device=device, suffix_source=suffix_source, lookup=lookup)
+        return cls(model, embed, lm_head, device=device, suffix_source=suffix_source, lookup=lookup,
+                   weight_copies=weight_copies)
 
     # -- the Drafter protocol ------------------------------------------------------------------------------
 

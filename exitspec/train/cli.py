@@ -85,7 +85,7 @@ def run_lookup(args) -> int:
     )
     table.save(args.out)
     tokens = sum(len(r.response_ids) for r in rollouts)
-    print(f"wrote {args.out}: {len(table.entries)} contexts of 1-{args.orders} tokens from {len(rollouts)} "
+    print(f"wrote {args.out}: {len(table)} contexts of 1-{args.orders} tokens from {len(rollouts)} "
           f"responses ({tokens} tokens)")
     if args.memory:
         seed_memory(args.model, [r.response_ids for r in rollouts])
