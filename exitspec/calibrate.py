@@ -105,13 +105,31 @@ def lookup_calibrator() -> Calibrator:
     """For corpus-lookup nodes by (depth, prefix probability q under the n-gram table): a table's chains stay
     confident where the target has long left them, so depth d gets its own row of q bins; prior
     q / 2 · 0.6^(d-1)."""
+    return Calibrator(_depth_prior())
+
+
+def _depth_prior() -> Tensor:
+    """[COPY_DEPTHS, MODEL_BINS] q / 2 · 0.6^(d-1): depth rows of prefix-probability bins."""
     depth = torch.arange(COPY_DEPTHS, dtype=torch.float64)
-    return Calibrator(_half_bin_centres()[None] * 0.6 ** depth[:, None])
+    return _half_bin_centres()[None] * 0.6 ** depth[:, None]
 
 
 def lookup_bins(tree: DraftTree) -> list[int]:
     """Bins of a lookup tree's nodes (its `scores` are prefix probabilities q): row depth, column q."""
     return [(min(d, COPY_DEPTHS) - 1) * MODEL_BINS + b for d, b in zip(tree.lists[2], model_bins(tree.scores))]
+
+
+def draft_path_calibrator() -> Calibrator:
+    """For a draft model's nodes by (on its greedy path or off it, depth, prefix probability q): at T = 0 the target
+    accepts only its own greedy path, and a draft model agrees with it most along the draft's greedy path, which
+    q alone does not tell apart from a sibling of the same q; the lookup prior for both."""
+    return Calibrator(torch.cat([_depth_prior(), _depth_prior()]))
+
+
+def draft_path_bins(depths: Sequence[int], scores: Sequence[float], greedy: Sequence[bool]) -> list[int]:
+    """Bins of draft-model nodes: the greedy path's in the first half of the grid, the others' in the second."""
+    return [(0 if g else COPY_DEPTHS * MODEL_BINS) + (min(d, COPY_DEPTHS) - 1) * MODEL_BINS + b
+            for d, b, g in zip(depths, model_bins(scores), greedy)]
 
 
 def copy_calibrator() -> Calibrator:

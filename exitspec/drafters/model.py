@@ -8,7 +8,8 @@ supports the model), which holds the context but its last token:
     depth 1: the root's top-`children` tokens, scored s(u) = Π q along the path (the draft's P(u))
     depth d: the `children` best new nodes by s are expanded: one tree forward over every expanded node so far
              (the tree mask), logits of the new ones only; their top-`children` tokens join the candidates
-    ─▶ all candidates, best first by s ─ SourceMerge: calibrated to the target's P(u) by depth × s bin ─▶ tree
+    ─▶ all candidates, best first by s ─ SourceMerge: calibrated to the target's P(u) by (on the draft's greedy
+       path or not) × depth × s bin ─▶ tree
 
 So a round costs `depth` draft forwards (the first also catches up on the tokens the target accepted) and the
 candidates number up to `children` + (depth − 1)·children². At T > 0 the draft's probabilities are warped
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer
 
 from exitspec.budget import calibrate
-from exitspec.calibrate import SourceMerge, lookup_bins, lookup_calibrator
+from exitspec.calibrate import SourceMerge, draft_path_bins, draft_path_calibrator
 from exitspec.models import load_model_and_tokenizer
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
@@ -48,6 +49,7 @@ class ModelProposal:
     tokens: list[int]  # [M+1], tokens[0] = the root
     depths: list[int]  # [M+1]
     scores: list[float]  # [M+1] the draft's prefix probability s(u), 1 at the root
+    greedy: list[bool]  # [M+1] u lies on the draft's greedy path (each step its parent's top token)
 
 
 class ModelDrafter:
@@ -64,7 +66,8 @@ class ModelDrafter:
         self.draft = TargetModel(draft_model, weight_copies=weight_copies)  # its own KV cache over its weights
         calibrate(self.draft, (depth - 1) * children)
         self.name, self.children, self.depth = name, children, depth
-        self.merge = SourceMerge({"model": (lookup_calibrator, lookup_bins)})
+        self.merge = SourceMerge({"model": (draft_path_calibrator, lambda tree: self._bins)})
+        self._bins: list[int] = []  # bins of the candidate tree being built (build)
         self.temperature = 1.0
         self.forwards = 0  # draft forwards so far (a cost a benchmark reports)
         self._cached = 0  # context tokens in the draft's cache
@@ -101,7 +104,7 @@ class ModelDrafter:
         logits = self.draft.forward_tokens(new, logits_to_keep=1).logits  # [1, V]: after the root
         self.draft.truncate(len(context) - 1)  # the root is the next round's, if the target keeps it
         self._cached = len(context) - 1
-        proposal = ModelProposal([-1], [int(context[-1])], [0], [1.0])
+        proposal = ModelProposal([-1], [int(context[-1])], [0], [1.0], [True])
         expanded = [0]  # candidates forwarded so far, in tree order: the look-ahead tree's nodes
         frontier = [0]  # the expanded candidates whose logits are `logits`
         self.forwards += 1
@@ -111,11 +114,12 @@ class ModelDrafter:
             values, tokens = top.values.tolist(), top.indices.tolist()  # one host read per depth
             first = len(proposal.tokens)
             for row, parent in enumerate(frontier):
-                for value, token in zip(values[row], tokens[row]):
+                for rank, (value, token) in enumerate(zip(values[row], tokens[row])):
                     proposal.parents.append(parent)
                     proposal.tokens.append(token)
                     proposal.depths.append(d)
                     proposal.scores.append(proposal.scores[parent] * value)
+                    proposal.greedy.append(rank == 0 and proposal.greedy[parent])
             if d == min(self.depth, max_depth):
                 break
             made = range(first, len(proposal.tokens))
@@ -141,6 +145,8 @@ class ModelDrafter:
             return self.merge.build(root_token, {}, budget)
         order = sorted(range(1, len(proposal.tokens)), key=lambda u: (-proposal.scores[u], u))  # parents first
         position = {u: k + 1 for k, u in enumerate(order)}
+        self._bins = [0, *draft_path_bins([proposal.depths[u] for u in order], [proposal.scores[u] for u in order],
+                                          [proposal.greedy[u] for u in order])]
         candidates = DraftTree.from_lists(
             [-1, *(0 if proposal.parents[u] == 0 else position[proposal.parents[u]] for u in order)],
             [root_token, *(proposal.tokens[u] for u in order)], [0, *(proposal.depths[u] for u in order)],
