@@ -238,6 +238,29 @@ class TreeBatch:
     def visibility_mask(self) -> Tensor:
         return self.ancestors
 
+    def parents_only(self) -> tuple[TreeBatch, Tensor]:
+        """(the trees cut to their root and the nodes with children, slots [T, M'] of those nodes here).
+
+        The exit law reads a target row only at a parent (flow.tree_flow takes each edge p_parent(u)(x_u) from the
+        parent's row; a leaf's rho is 1 without it), and a leaf is nobody's ancestor, so the cut trees need the
+        same target rows in fewer slots. Kept nodes stay in their order (parents first); a tree with fewer of
+        them than M' is padded as `stack` pads."""
+        child = self.valid.long()
+        child[:, 0] = 0  # the root is no node's child
+        children = torch.zeros_like(child).scatter_add_(1, self.parents.clamp(min=0), child)  # [T, M]
+        keep = (children > 0) & self.valid
+        keep[:, 0] = True
+        slots = torch.argsort((~keep).long(), dim=1, stable=True)[:, : int(keep.sum(dim=1).max())]  # [T, M']
+        valid = keep.gather(1, slots)
+        position = torch.empty_like(self.parents).scatter_(1, slots, torch.arange(slots.shape[1], device=slots.device)
+                                                           .expand_as(slots))  # [T, M]: old slot -> new
+        old_parents = self.parents.gather(1, slots)
+        parents = torch.where(old_parents < 0, old_parents, position.gather(1, old_parents.clamp(min=0)))
+        parents = torch.where(valid, parents, 0)
+        depths = torch.where(valid, self.depths.gather(1, slots), 1)
+        tokens = torch.where(valid, self.tokens.gather(1, slots), 0)
+        return TreeBatch(parents, tokens, depths, valid), slots
+
 
 def ancestor_matrix(parents: Tensor, depths: Tensor, valid: Tensor) -> Tensor:
     """[T, M, M] bool, A[t, u, j] = j is u or an ancestor of u. One level per step, nodes in parallel."""

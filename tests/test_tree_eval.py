@@ -1,4 +1,5 @@
-"""Training-time tree evaluation: one packed target forward equals a separate causal forward per tree node."""
+"""Training-time tree evaluation: one packed target forward equals a separate causal forward at every node the
+exit law reads (the root and each node with children), so the exit law of the trees is the same."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from tiny_models import tiny_llama
 
 from exitspec.build import build_ddtree
 from exitspec.check import random_tree
+from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams, target_probs
 from exitspec.train.tree_eval import build_anchor_trees, evaluate_trees
 from exitspec.tree import DraftTree, TreeBatch
@@ -23,6 +25,20 @@ def model():
 def rooted_random_tree(gen: torch.Generator, root: int, max_nodes: int = 12) -> DraftTree:
     tree = random_tree(gen, VOCAB, max_depth=5, max_branch=3, max_nodes=max_nodes)
     return DraftTree.from_parents(tree.parents, torch.cat([torch.tensor([root]), tree.tokens[1:]]))
+
+
+def read_rows(tree: DraftTree) -> list[int]:
+    """The nodes whose target row the exit law reads: the root and every parent."""
+    return sorted({0, *tree.parents[1:].tolist()})
+
+
+def assert_same_law(probs: torch.Tensor, expected: torch.Tensor, tree: DraftTree) -> None:
+    """probs [N+1, V] equal expected at the rows the exit law reads, and give the same P, rho and w."""
+    rows = read_rows(tree)
+    torch.testing.assert_close(probs[rows], expected[rows], atol=1e-5, rtol=0)
+    got, want = tree_flow(tree, probs, check=False), tree_flow(tree, expected, check=False)
+    torch.testing.assert_close(got.exit, want.exit, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.reach, want.reach, atol=1e-5, rtol=0)
 
 
 def causal_probs(model, context: torch.Tensor, tree: DraftTree, params: SamplingParams) -> torch.Tensor:
@@ -49,7 +65,7 @@ def test_every_node_equals_its_own_causal_forward(model):
     assert probs.shape == (5, max(t.size for t in trees), VOCAB)
     for i, (a, tree) in enumerate(zip(anchors[0].tolist(), trees)):
         expected = causal_probs(model, ids[0, :a], tree, SamplingParams(1.0))
-        torch.testing.assert_close(probs[i, : tree.size], expected, atol=1e-5, rtol=0)
+        assert_same_law(probs[i, : tree.size], expected, tree)
 
 
 def test_padded_batch_with_dropped_anchors(model):
@@ -75,7 +91,7 @@ def test_padded_batch_with_dropped_anchors(model):
                 assert size == 1
                 continue
             expected = causal_probs(model, ids[b, : anchors[b, i]], tree, params)
-            torch.testing.assert_close(probs[t, :size], expected, atol=1e-5, rtol=0)
+            assert_same_law(probs[t, :size], expected, tree)
 
 
 def test_anchor_trees_are_the_inference_ddtrees():
@@ -91,3 +107,16 @@ def test_anchor_trees_are_the_inference_ddtrees():
         if expected is not None:
             assert torch.equal(trees.parents[t, :size], expected.parents)
             assert torch.equal(trees.tokens[t, :size], expected.tokens)
+
+
+def test_cut_trees_keep_the_root_and_every_parent_in_order():
+    trees = TreeBatch.stack([
+        DraftTree.from_parents([-1, 0, 0, 1, 1, 3], tokens=[9, 1, 2, 3, 4, 5]),  # leaves 2, 4, 5
+        DraftTree.from_parents([-1], tokens=[7]),  # a bare root
+        DraftTree.from_parents([-1, 0, 1], tokens=[8, 6, 6]),  # a chain: its last node is the one leaf
+    ])
+    cut, slots = trees.parents_only()
+    assert slots[:, :3].tolist()[0] == [0, 1, 3] and slots.shape == (3, 3)
+    assert cut.valid.tolist() == [[True, True, True], [True, False, False], [True, True, False]]
+    assert cut.parents[0].tolist() == [-1, 0, 1] and cut.tokens[0].tolist() == [9, 1, 3]
+    assert cut.depths[0].tolist() == [0, 1, 2] and cut.parents[2, :2].tolist() == [-1, 0]

@@ -73,21 +73,27 @@ def tree_attention_inputs(
 
 @torch.no_grad()
 def tree_logits(model: PreTrainedModel, ids: Tensor, anchors: Tensor, trees: TreeBatch) -> Tensor:
-    """Target logits [B*N, M, V] at every slot of every anchor's tree.
+    """Target logits [B*N, M, V] at every slot of every anchor's tree that the exit law reads: the root and each
+    node with children (`TreeBatch.parents_only`); a leaf's row is 0, since nothing reads it.
 
     ids [B, L], anchors [B, N], trees [B*N, M] from `build_anchor_trees` (tree (b, i) rooted at ids[b, a_bi]).
-    One forward of the frozen HF causal LM (sdpa or eager attention) over the packed input, no cache; logits
-    are computed only for the tree slots.
+    One forward of the frozen HF causal LM (sdpa or eager attention) over the packed input of the cut trees, no
+    cache; logits are computed only for their slots. A DDTree of B = 32 is about half leaves, so this halves
+    the tree rows the target runs.
     """
     b, n = anchors.shape
-    m = trees.parents.shape[1]
-    input_ids, positions, mask = tree_attention_inputs(ids, anchors, trees, model.dtype)
+    cut, slots = trees.parents_only()  # [B*N, M'] each
+    m = slots.shape[1]
+    input_ids, positions, mask = tree_attention_inputs(ids, anchors, cut, model.dtype)
     out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=False, logits_to_keep=n * m)
-    return out.logits.view(b * n, m, -1)
+    logits = out.logits.view(b * n, m, -1)  # [B*N, M', V]
+    full = logits.new_zeros(b * n, trees.parents.shape[1], logits.shape[-1])  # [B*N, M, V]
+    return full.scatter_(1, slots[..., None].expand_as(logits), logits)
 
 
 def evaluate_trees(
     model: PreTrainedModel, ids: Tensor, anchors: Tensor, trees: TreeBatch, params: SamplingParams = PLAIN
 ) -> Tensor:
-    """Target probabilities [B*N, M, V] (float32, after `params`' warp) at every slot: `tree_logits`, warped."""
+    """Target probabilities [B*N, M, V] (float32, after `params`' warp) at the slots the exit law reads:
+    `tree_logits`, warped (a leaf's row is uniform: its logits are 0)."""
     return target_probs(tree_logits(model, ids, anchors, trees), params)
