@@ -10,6 +10,8 @@ pops are the B best nodes and already form a tree listed parents-first.
   the total weight of the continuations passing through them.
 - `build_best_first`: candidates are all paths of a next-token model that, given a path, names its likely next
   tokens with probabilities (corpus lookup's n-gram table), scored by their products.
+- `ranked_tree`: candidates already made (a suffix tree's speculation, a draft model's expansions) with scores
+  that never grow along a path, listed best first.
 - `merge_best_first`: the union of several such candidate trees (a model's and a copy source's), ranked by
   calibrated estimates of each node's reach probability P(u), so the sources compete for one budget.
 """
@@ -163,6 +165,19 @@ def build_best_first(
         paths.append(paths[parent] + (token,))
         push_children(node)
     return DraftTree.from_lists(parents, tokens, depths, scores, device)
+
+
+def ranked_tree(root_token: int, nodes: Sequence[int], parents: Sequence[int], tokens: Sequence[int],
+                depths: Sequence[int], scores: Sequence[float]) -> DraftTree:
+    """The candidates `nodes` (indices into the lists, a prefix-closed set) as a tree listed best first by score,
+    ties in index order; `scores` are the nodes' prefix probabilities. A parent index outside `nodes` is the root.
+    Scores never grow along a path and a parent's index is below its children's, so parents come first."""
+    order = sorted(nodes, key=lambda i: (-scores[i], i))
+    position = {i: k + 1 for k, i in enumerate(order)}
+    return DraftTree.from_lists(
+        [-1, *(position.get(parents[i], 0) for i in order)], [root_token, *(tokens[i] for i in order)],
+        [0, *(depths[i] for i in order)], (1.0, *(scores[i] for i in order)),
+    )
 
 
 def merge_best_first(

@@ -126,10 +126,17 @@ def draft_path_calibrator() -> Calibrator:
     return Calibrator(torch.cat([_depth_prior(), _depth_prior()]))
 
 
-def draft_path_bins(depths: Sequence[int], scores: Sequence[float], greedy: Sequence[bool]) -> list[int]:
-    """Bins of draft-model nodes: the greedy path's in the first half of the grid, the others' in the second."""
+def draft_path_bins(tree: DraftTree) -> list[int]:
+    """Bins of a draft model's candidate tree (listed best first, `scores` its prefix probabilities q): the draft's
+    greedy path (each node its parent's first, so most probable, child, down from the root) in the first half of
+    the grid, the other nodes in the second; within each, row depth, column q."""
+    parents, depths = tree.parent_list, tree.lists[2]
+    greedy, first_child = [True] * tree.size, set()
+    for u in range(1, tree.size):
+        greedy[u] = greedy[parents[u]] and parents[u] not in first_child
+        first_child.add(parents[u])
     return [(0 if g else COPY_DEPTHS * MODEL_BINS) + (min(d, COPY_DEPTHS) - 1) * MODEL_BINS + b
-            for d, b, g in zip(depths, model_bins(scores), greedy)]
+            for d, b, g in zip(depths, model_bins(tree.scores), greedy)]
 
 
 def copy_calibrator() -> Calibrator:

@@ -13,6 +13,7 @@ MAX_BUDGET = 4096  # draft tokens per tree: beyond this no tree pays; below it a
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 VERIFIERS = ("greedy", "predraw", "sequential", "tev")  # the keys of verify.DECIDERS (a test keeps them equal)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DRAFT_MODEL_PREFIXES = ("model:", "layers:")  # drafter specs of draft models: a causal-LM folder, the target's first K layers
 DRAFTER_HELP = (
     "'dflash' (the DFlash drafter shipped for the default model; the default there), 'dflash-v1' (the first "
     "one), 'exittrain' (dflash-v1 fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models), "

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exitspec.data import BUILTIN, EDITS
+from exitspec.settings import DRAFT_MODEL_PREFIXES
 
 PEERS = ("hf-lookup", "vllm-fp32", "vllm-bf16", "vllm-ngram")  # bench --peers (bench/peers.py), torch-free here
 ASSISTANT = "hf-assistant:"  # and hf-assistant:SPEC, SPEC a draft model (model:PATH, layers:K): transformers' chains
@@ -24,7 +25,7 @@ ASSISTANT = "hf-assistant:"  # and hf-assistant:SPEC, SPEC a draft model (model:
 def peer_option(value: str) -> str:
     """A --peers value: one of PEERS, or hf-assistant: and a draft-model drafter spec."""
     spec = value.removeprefix(ASSISTANT)
-    if value in PEERS or (value != spec and spec.startswith(("model:", "layers:"))):
+    if value in PEERS or (value != spec and spec.startswith(DRAFT_MODEL_PREFIXES)):
         return value
     raise ValueError(f"unknown peer {value!r}: choose among {', '.join(PEERS)} or hf-assistant:layers:K / "
                      "hf-assistant:model:PATH")

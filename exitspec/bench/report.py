@@ -29,7 +29,7 @@ from exitspec.bench.runner import ResultsFile, speedup
 from exitspec.decode import STAGES
 from exitspec.drafters.chain import drafter_label
 from exitspec.paired import paired_cell, paired_difference
-from exitspec.settings import budget_cap
+from exitspec.settings import DRAFT_MODEL_PREFIXES, budget_cap
 
 CELL = ("dataset", "temperature", "drafter", "budget", "verifier")
 CONFIG = ("drafter", "budget", "verifier")
@@ -190,8 +190,7 @@ def peer_table(rows: list) -> dict | None:
     autoregressive loop, each speculative config, transformers' generate and each peer (bench/peers.py), on the
     prompts that the peers ran (the same prompts and turns for every column); None without peer rows.
     `ratio`: the best exitspec config over the fastest other way."""
-    prompt = lambda r: (r.dataset, r.temperature, r.prompt_id, r.turn, r.repeat)
-    peered = {prompt(r) for r in rows if isinstance(r, PeerRow)}
+    peered = {_prompt(r) for r in rows if isinstance(r, PeerRow)}
     if not peered:
         return None
     pooled: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
@@ -200,7 +199,7 @@ def peer_table(rows: list) -> dict | None:
             SpecRow: lambda r: [(f"exitspec {r.drafter} {r.budget} {r.verifier}", r.new_tokens, r.total_seconds)],
             PeerRow: lambda r: [(r.peer, r.new_tokens, r.total_seconds)]}
     for r in rows:
-        if type(r) in runs and prompt(r) in peered:
+        if type(r) in runs and _prompt(r) in peered:
             for name, tokens, seconds in runs[type(r)](r):
                 pooled[r.dataset, r.temperature][name][0] += tokens
                 pooled[r.dataset, r.temperature][name][1] += seconds
@@ -216,17 +215,21 @@ def peer_table(rows: list) -> dict | None:
     return {"columns": columns, "rows": body}
 
 
+def _prompt(row) -> tuple:
+    """The prompt a row decoded, dataset and temperature first: rows of any kind with equal ones ran the same prompt."""
+    return row.dataset, row.temperature, row.prompt_id, row.turn, row.repeat
+
+
 def draft_model_table(rows: list) -> list[dict]:
     """Trees against chains from one draft model: per dataset and temperature, each exitspec run with a draft model
     (drafter model:PATH or layers:K) and each hf-assistant peer, pooled over the prompts both ran: τ (new tokens
     over target forwards), the draft's seconds a round and tokens per second; [] without such rows."""
-    prompt = lambda r: (r.dataset, r.temperature, r.prompt_id, r.turn, r.repeat)
     peers = [r for r in rows if isinstance(r, PeerRow) and r.rounds]
-    ours = [r for r in rows if isinstance(r, SpecRow) and r.drafter.startswith(("model:", "layers:"))]
-    shared = {prompt(r) for r in peers} & {prompt(r) for r in ours}
+    ours = [r for r in rows if isinstance(r, SpecRow) and r.drafter.startswith(DRAFT_MODEL_PREFIXES)]
+    shared = {_prompt(r) for r in peers} & {_prompt(r) for r in ours}
     pooled: dict[tuple, list] = defaultdict(lambda: [0, 0, 0.0, 0.0])  # tokens, rounds, draft seconds, seconds
     for r in peers + ours:
-        if prompt(r) not in shared:
+        if _prompt(r) not in shared:
             continue
         name = f"{r.peer}" if isinstance(r, PeerRow) else f"exitspec {r.drafter} {r.budget} {r.verifier}"
         draft = r.draft_seconds if isinstance(r, PeerRow) else r.stage_seconds.get("draft", 0.0)

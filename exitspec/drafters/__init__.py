@@ -12,7 +12,7 @@ from exitspec.drafters.model import ModelDrafter, first_layers, load_draft_model
 from exitspec.drafters.ngram import NgramDrafter
 from exitspec.drafters.suffix import SuffixDrafter
 from exitspec.models import default_model_path
-from exitspec.settings import DRAFTER_HELP
+from exitspec.settings import DRAFT_MODEL_PREFIXES, DRAFTER_HELP
 
 __all__ = [
     "DRAFTER_HELP", "SHIPPED", "SHIPPED_LOOKUP", "ChainDrafter", "DFlashDrafter", "Drafter", "ModelDrafter",
@@ -21,7 +21,6 @@ __all__ = [
 ]
 
 TRAINING_FREE = ("ngram", "suffix")  # drafters without a checkpoint: prompt lookup, suffix trees
-MODEL_PREFIXES = ("model:", "layers:")  # draft models: a causal-LM folder, the target's first K layers
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # the DFlash drafters shipped for the default model (SmolLM2-135M-Instruct), by spec name:
 #   dflash     trained on 8626 target rollouts (chat, code, math; greedy and T = 1) with the kl (Draft-OPD) loss;
@@ -49,7 +48,7 @@ def drafter_folder(spec: str | Path) -> Path | None:
     """The DFlash checkpoint folder a drafter spec names: None for 'ngram', 'suffix' and draft models (model:PATH,
     layers:K), the shipped one for a name in SHIPPED."""
     spec, _ = split_chain(spec)
-    if spec in TRAINING_FREE or str(spec).startswith(MODEL_PREFIXES):
+    if spec in TRAINING_FREE or str(spec).startswith(DRAFT_MODEL_PREFIXES):
         return None
     if str(spec) in SHIPPED:
         folder = SHIPPED[str(spec)]
@@ -77,7 +76,7 @@ def load_drafter(spec: str | Path, target_hf_model, lookup: str | Path = "auto",
     name, chained = split_chain(spec)
     folder = drafter_folder(spec)
     vocab_size = target_hf_model.get_output_embeddings().weight.shape[0]
-    if name.startswith(MODEL_PREFIXES):
+    if name.startswith(DRAFT_MODEL_PREFIXES):
         if str(lookup) not in ("auto", "none"):
             raise ValueError(f"a lookup table adds to a DFlash drafter's trees; {name!r} takes none")
         drafter = ModelDrafter(draft_model(name, target_hf_model), name, weight_copies=weight_copies)

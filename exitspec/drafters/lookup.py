@@ -125,8 +125,9 @@ class NgramTable:
         """[(y, q(y | context))] from the longest suffix of `context` (at most `orders` tokens) the table holds."""
         for k in range(min(self.orders, len(context)), 0, -1):
             i = self.rows[k - 1].get(self._key(context[-k:]))
-            if i is not None:
-                return self._row(k, i)
+            found = self._row(k, i) if i is not None else []
+            if found:  # a row of pads alone backs off like an unknown context
+                return found
         return []
 
     def digest(self) -> str:

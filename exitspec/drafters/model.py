@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer
 
 from exitspec.budget import calibrate
+from exitspec.build import ranked_tree
 from exitspec.calibrate import SourceMerge, draft_path_bins, draft_path_calibrator
 from exitspec.models import load_model_and_tokenizer
 from exitspec.target import TargetModel
@@ -49,7 +50,6 @@ class ModelProposal:
     tokens: list[int]  # [M+1], tokens[0] = the root
     depths: list[int]  # [M+1]
     scores: list[float]  # [M+1] the draft's prefix probability s(u), 1 at the root
-    greedy: list[bool]  # [M+1] u lies on the draft's greedy path (each step its parent's top token)
 
 
 class ModelDrafter:
@@ -66,10 +66,8 @@ class ModelDrafter:
         self.draft = TargetModel(draft_model, weight_copies=weight_copies)  # its own KV cache over its weights
         calibrate(self.draft, (depth - 1) * children)
         self.name, self.children, self.depth = name, children, depth
-        self.merge = SourceMerge({"model": (draft_path_calibrator, lambda tree: self._bins)})
-        self._bins: list[int] = []  # bins of the candidate tree being built (build)
+        self.merge = SourceMerge({"model": (draft_path_calibrator, draft_path_bins)})
         self.temperature = 1.0
-        self.forwards = 0  # draft forwards so far (a cost a benchmark reports)
         self._cached = 0  # context tokens in the draft's cache
 
     def calibrate_for(self, setting: Hashable) -> None:
@@ -104,23 +102,22 @@ class ModelDrafter:
         logits = self.draft.forward_tokens(new, logits_to_keep=1).logits  # [1, V]: after the root
         self.draft.truncate(len(context) - 1)  # the root is the next round's, if the target keeps it
         self._cached = len(context) - 1
-        proposal = ModelProposal([-1], [int(context[-1])], [0], [1.0], [True])
+        proposal = ModelProposal([-1], [int(context[-1])], [0], [1.0])
         expanded = [0]  # candidates forwarded so far, in tree order: the look-ahead tree's nodes
         frontier = [0]  # the expanded candidates whose logits are `logits`
-        self.forwards += 1
-        for d in range(1, min(self.depth, max_depth) + 1):
+        depth = min(self.depth, max_depth)
+        for d in range(1, depth + 1):
             q = torch.softmax(logits.float() / self.temperature, dim=-1)  # [f, V]
             top = torch.topk(q, self.children, dim=-1)  # [f, k]
             values, tokens = top.values.tolist(), top.indices.tolist()  # one host read per depth
             first = len(proposal.tokens)
             for row, parent in enumerate(frontier):
-                for rank, (value, token) in enumerate(zip(values[row], tokens[row])):
+                for value, token in zip(values[row], tokens[row]):
                     proposal.parents.append(parent)
                     proposal.tokens.append(token)
                     proposal.depths.append(d)
                     proposal.scores.append(proposal.scores[parent] * value)
-                    proposal.greedy.append(rank == 0 and proposal.greedy[parent])
-            if d == min(self.depth, max_depth):
+            if d == depth:
                 break
             made = range(first, len(proposal.tokens))
             frontier = sorted(made, key=lambda u: -proposal.scores[u])[: self.children]
@@ -137,21 +134,13 @@ class ModelDrafter:
                                     [proposal.depths[u] for u in expanded], device=self.draft.device)
         logits = self.draft.forward_tree(tree, check=False, logits_to_keep=new).logits  # [new, V]
         self.draft.discard()
-        self.forwards += 1
         return logits
 
     def build(self, proposal: ModelProposal | None, root_token: int, budget: int) -> DraftTree:
         if proposal is None:
             return self.merge.build(root_token, {}, budget)
-        order = sorted(range(1, len(proposal.tokens)), key=lambda u: (-proposal.scores[u], u))  # parents first
-        position = {u: k + 1 for k, u in enumerate(order)}
-        self._bins = [0, *draft_path_bins([proposal.depths[u] for u in order], [proposal.scores[u] for u in order],
-                                          [proposal.greedy[u] for u in order])]
-        candidates = DraftTree.from_lists(
-            [-1, *(0 if proposal.parents[u] == 0 else position[proposal.parents[u]] for u in order)],
-            [root_token, *(proposal.tokens[u] for u in order)], [0, *(proposal.depths[u] for u in order)],
-            (1.0, *(proposal.scores[u] for u in order)),
-        )
+        candidates = ranked_tree(root_token, range(1, len(proposal.tokens)), proposal.parents, proposal.tokens,
+                                 proposal.depths, proposal.scores)  # the root (index 0) is outside the nodes
         return self.merge.build(root_token, {"model": candidates}, budget)
 
     def observe(self, tree: DraftTree, reach: list[float]) -> None:

@@ -36,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from exitspec.build import ranked_tree
 from exitspec.calibrate import SourceMerge, lookup_bins, lookup_calibrator
 from exitspec.tree import DraftTree
 
@@ -192,15 +193,9 @@ class SuffixSource:
             depth = [0] * len(tokens)
             for i, p in enumerate(parents):  # arctic lists a parent before its children
                 depth[i] = 1 if p < 0 else depth[p] + 1
-            order = sorted((i for i in range(len(tokens)) if depth[i] <= proposal.max_depth), key=lambda i: (-probs[i], i))
-            if not order:
-                continue
-            position = {i: k + 1 for k, i in enumerate(order)}
-            tree_parents = [-1] + [0 if parents[i] < 0 else position[parents[i]] for i in order]
-            out[name] = DraftTree.from_lists(
-                tree_parents, [root_token] + [tokens[i] for i in order], [0] + [depth[i] for i in order],
-                (1.0, *(probs[i] for i in order)),
-            )
+            nodes = [i for i in range(len(tokens)) if depth[i] <= proposal.max_depth]
+            if nodes:
+                out[name] = ranked_tree(root_token, nodes, parents, tokens, depth, probs)
         return out
 
     def sync(self, context: list[int]) -> None:
