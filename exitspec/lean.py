@@ -11,7 +11,8 @@ SmolLM2-135M. Here a layer is six library calls on [n, D] rows: RMSNorm, one fus
     keys [1, Hkv, L+n, hd], so grouped-query attention needs no copy of K or V; the float mask [1, 1, g·n, L+n]
     is 0 where a row may look and -inf elsewhere (the tree's ancestor mask over the new tokens, all of the
     cache). 4D inputs let CPU sdpa take its fused kernel: 30 layers of 9 rows cost 1.6 ms against 3.7 ms in
-    the 3D math path.
+    the 3D math path. A bf16 target on a CPU attends through attention.py's batch-invariant kernel instead, so
+    that a tree's rows equal one-token steps bit for bit.
 
 The fused weights are built once by concatenation, and the transformers modules' weights become views
 into them, so the model is not held twice and `model.generate` keeps working on the same storage. On a CPU
@@ -29,6 +30,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from exitspec.attention import invariant_attention
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PANEL_ROWS = 32  # output rows of a weight panel (Panels)
@@ -121,6 +124,14 @@ class Packed:
 
 
 LAYOUTS = {"panels": Panels, "packed": Packed}  # ways to lay a weight out besides "whole" (F.linear on it as is)
+
+
+def invariant_by_default(device: torch.device, dtype: torch.dtype) -> bool:
+    """Batch-invariant attention (attention.py) where the products are invariant too: bf16 on a CPU (oneDNN's bf16
+    products give a row the same result whatever the row count, from 2 rows up). fp32 keeps sdpa (its tree rows
+    match one-row steps to ~1e-5; fp32 products are not row-invariant in every layout); a GPU keeps its fused
+    kernels."""
+    return device.type == "cpu" and dtype == torch.bfloat16
 
 
 def layouts_for(device: torch.device) -> list[str]:
@@ -253,6 +264,7 @@ class LeanLlama:
         self.length = 0
         self.row_plan: dict[int, tuple[int, str]] = {}  # n rows -> (rows to run on, layout): `linear`
         self.layouts: dict[str, LayoutSet] = {}  # the model's weights in each layout the plan uses
+        self.invariant = invariant_by_default(self.device, self.dtype)  # attention.py's, else sdpa
 
     def reset(self) -> None:
         self.length = 0
@@ -268,9 +280,12 @@ class LeanLlama:
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """F.linear over rows x [n, D_in] → [n, D_out], run as row_plan[n] = (rows, layout) says where it names n:
         zero rows appended up to `rows`, and the weight whole, in Panels or Packed (budget.CostModel measures
-        which way is cheapest at each size). The rows are F.linear's but for rounding."""
+        which way is cheapest at each size). The rows are F.linear's but for rounding; under invariant attention
+        every product runs on 2 rows or more, where bf16 products give a row the same result in every layout."""
         n = x.shape[0]
         rows, layout = self.row_plan.get(n, (n, "whole"))
+        if self.invariant:  # oneDNN's one-row bf16 product reduces in another order than its 2+-row products
+            rows = max(rows, 2)
         if rows > n:
             x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
         if layout != "whole":
@@ -305,19 +320,23 @@ class LeanLlama:
         x = self.embed(ids)  # [n, D]
         cos, sin = self.rotary(x[None], positions[None])  # [1, n, hd]
         cos, sin = cos[0], sin[0]
+        if visible is None and (n > 1 or self.invariant):
+            visible = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
         mask = None
-        if n > 1:
-            if visible is None:
-                visible = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+        if n > 1 and not self.invariant:
             mask = additive_mask(visible, start, x.dtype).repeat(groups, 1)[None, None]  # [1, 1, g·n, L+n], rows in the order of the stacked query heads
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
 
             def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:  # [H, n, hd], [Hkv, n, hd] x 2
                 self.keys[i, :, start:end], self.values[i, :, start:end] = k, v
+                keys, values = self.keys[i, :, :end], self.values[i, :, :end]  # [Hkv, L+n, hd]
+                if self.invariant:
+                    q = q.reshape(self.kv_heads, groups, n, self.head_dim)
+                    out = invariant_attention(q, keys, values, visible, start, self.head_dim**-0.5)
+                    return out.view(self.heads, n, self.head_dim)
                 q = q.reshape(1, self.kv_heads, groups * n, self.head_dim)  # heads j·g .. j·g+g-1 share KV head j
-                keys, values = self.keys[i : i + 1, :, :end], self.values[i : i + 1, :, :end]  # [1, Hkv, L+n, hd]
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # 4D: CPU's fused kernel
+                out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask)  # 4D: CPU's fused kernel
                 return out.view(self.heads, n, self.head_dim)  # [H, n, hd]
 
             x = decoder_layer(layer, x, cos, sin, self.head_shape, attend, self.linear)
