@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from exitspec.attention import invariant_attention
+from exitspec.settings import native_bf16
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PANEL_ROWS = 32  # output rows of a weight panel (Panels)
@@ -127,11 +128,11 @@ LAYOUTS = {"panels": Panels, "packed": Packed}  # ways to lay a weight out besid
 
 
 def invariant_by_default(device: torch.device, dtype: torch.dtype) -> bool:
-    """Batch-invariant attention (attention.py) where the products are invariant too: bf16 on a CPU (oneDNN's bf16
-    products give a row the same result whatever the row count, from 2 rows up). fp32 keeps sdpa (its tree rows
-    match one-row steps to ~1e-5; fp32 products are not row-invariant in every layout); a GPU keeps its fused
-    kernels."""
-    return device.type == "cpu" and dtype == torch.bfloat16
+    """Batch-invariant attention (attention.py) where the products are row-invariant too: bf16 on a CPU with native
+    bf16, whose oneDNN products give a row the same result whatever the row count from 2 rows up (a premise
+    tests/test_attention.py checks). fp32 keeps sdpa (its tree rows match one-row steps to ~1e-5; fp32 products are
+    not row-invariant in every layout); a GPU keeps its fused kernels."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and native_bf16()
 
 
 def layouts_for(device: torch.device) -> list[str]:

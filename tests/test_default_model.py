@@ -7,6 +7,7 @@ import torch
 
 from exitspec.decode import SpeculativeDecoder, encode_prompt
 from exitspec.drafters import load_drafter
+from exitspec.settings import native_bf16
 from exitspec.target import TargetModel
 
 PROMPTS = [
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def decoder():
-    return SpeculativeDecoder.from_pretrained(None, "ngram")
+    return SpeculativeDecoder.from_pretrained(None, "ngram", dtype="float32")  # transformers' generate matches fp32
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,15 @@ def test_custom_generate_equals_generate(decoder, references):
         assert out.sequences[0, ids.shape[1]:].tolist() == references[prompt], prompt
         tokens, rounds = tokens + sum(a + 1 for a in out.accepted_lengths), rounds + len(out.accepted_lengths)
     assert tokens / rounds > TRAINED_DFLASH_MIN_TAU, "the shipped drafter should get draft tokens accepted"
+
+
+@pytest.mark.skipif(not native_bf16(), reason="the CPU has no native bf16: bf16 keeps sdpa, not token-exact")
+def test_bf16_greedy_equals_bf16_autoregressive_output():
+    """The default model in bf16 (`--dtype auto` on CPUs with native bf16) with its shipped drafter: greedy
+    speculative output equals the same bf16 target's own autoregressive output (batch-invariant attention)."""
+    decoder = SpeculativeDecoder.from_pretrained(None, dtype="bfloat16")
+    for prompt in PROMPTS[:3]:
+        expected = decoder.autoregressive(prompt, max_new_tokens=NEW_TOKENS).tokens
+        for budget in (8, 32, "auto"):
+            out = decoder.generate(prompt, NEW_TOKENS, temperature=0.0, budget=budget, verifier="tev")
+            assert out.tokens == expected, (prompt, budget)

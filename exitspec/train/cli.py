@@ -46,10 +46,18 @@ from exitspec.train.trainer import make_drafter, train
 from exitspec.warm import memory_path
 
 
+def training_dtype(name: str, device: torch.device) -> str:
+    """The target's dtype in training and its evaluation: "auto" is fp32 on a CPU (the rollouts and features the
+    shipped drafters were trained on), resolve_dtype's choice elsewhere."""
+    if name == "auto" and device.type == "cpu":
+        return "float32"
+    return str(resolve_dtype(name, device)).removeprefix("torch.")
+
+
 def run_train(args) -> int:
     """`exitspec train dflash | exit`: rollouts (--rollouts-only), or training that resumes its run folder."""
     device = resolve_device(args.device)
-    dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    dtype = training_dtype(args.dtype, device)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -154,7 +162,8 @@ def run_eval(args) -> list[dict]:
     """Makes the held-out responses that are not cached yet, then measures every drafter on every dataset."""
     if any(drafter_folder(spec) is None or split_chain(spec)[1] for spec in args.drafters):
         raise ValueError("held-out acceptance measures DFlash drafters; 'ngram' and chains have no draft logits to build from")
-    decoders = load_decoders(args.model, args.drafters, args.device, args.dtype, args.threads, budgets=(),
+    dtype = training_dtype(args.dtype, resolve_device(args.device))
+    decoders = load_decoders(args.model, args.drafters, args.device, dtype, args.threads, budgets=(),
                              warm_start=not args.no_warm_start, learn=False)
     model, tokenizer = next(iter(decoders.values())).target.model, next(iter(decoders.values())).target.tokenizer
     heldout = make_heldout(model, tokenizer, model_name(args.model), args.datasets, args.heldout, args.num_prompts,

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# bf16 with batch-invariant attention against fp32 on one machine (cpu.txt): the cost grid of each dtype and
+# fresh-process chat (10 everyday prompts, 128 tokens, T = 0, warm start) in one sitting; then the Table 1 preset
+# in bf16 (20 prompts per set, T = 0 and 1; each row's SR against the bf16 target's own autoregressive loop).
+set -euo pipefail
+R=data/bench/smollm2-135m-instruct/invariant-bf16
+lscpu | grep -E "Model name|Flags" | sed 's/Flags:.*avx512_bf16.*/Flags: ... avx512_bf16 .../' > $R/cpu.txt
+for dtype in float32 bfloat16; do
+    exitspec calibrate --dtype $dtype --threads 2 > $R/cost-$dtype.txt 2>&1
+done
+rm -f $R/chat-*.jsonl
+for dtype in float32 bfloat16; do
+    bash scripts/chat-compare.sh $R/chat-$dtype.jsonl -- --threads 2 --dtype $dtype > $R/chat-$dtype.txt
+done
+rm -rf $R/table1-bfloat16
+exitspec bench --preset table1 --drafters dflash --verifiers tev --budgets auto --num-prompts 20 \
+    --max-new-tokens 128 --threads 2 --dtype bfloat16 --out $R/table1-bfloat16 > $R/table1-bfloat16.txt 2>&1
