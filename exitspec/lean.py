@@ -40,7 +40,12 @@ PANEL_ROWS = 32  # output rows of a weight panel (Panels)
 
 def supports(model: nn.Module) -> str | None:
     """None when the lean forward reproduces `model`; otherwise why it does not (a short reason)."""
-    config = model.config.get_text_config(decoder=True)
+    return supports_config(model.config)
+
+
+def supports_config(config) -> str | None:
+    """`supports` from a model's config alone (before loading its weights)."""
+    config = config.get_text_config(decoder=True)
     if config.model_type not in LEAN_MODEL_TYPES:
         return f"model type {config.model_type!r} (lean forward: {', '.join(LEAN_MODEL_TYPES)})"
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):

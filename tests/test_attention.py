@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_decode import PROMPT, RandomTreeDrafter
-from tiny_models import tiny_llama
+from tiny_models import save_tiny_llama, tiny_llama
+from transformers import AutoModelForCausalLM, GPT2Config
 
 from exitspec import models
 from exitspec.attention import invariant_attention
@@ -117,3 +118,14 @@ def test_auto_dtype_is_bf16_on_cuda_and_on_cpus_with_native_bf16(monkeypatch):
         assert models.resolve_dtype("auto", torch.device("cpu")) == on_cpu
         assert models.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
         assert models.resolve_dtype("float32", torch.device("cpu")) == torch.float32
+
+
+def test_auto_dtype_loads_bf16_only_where_the_lean_forward_runs(tmp_path, monkeypatch):
+    """bf16 is exact on a CPU only through the lean forward's batch-invariant attention, so `auto` loads another
+    architecture (here GPT-2, which transformers' forward runs) in fp32 even on a CPU with native bf16."""
+    monkeypatch.setattr(models, "native_bf16", lambda: True)
+    save_tiny_llama(tmp_path / "llama")
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=32, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    assert models.load_model_and_tokenizer(tmp_path / "llama", "cpu", "auto")[0].dtype == torch.bfloat16
+    assert models.load_model_and_tokenizer(tmp_path / "gpt2", "cpu", "auto")[0].dtype == torch.float32
