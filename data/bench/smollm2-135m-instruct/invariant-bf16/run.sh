@@ -15,3 +15,7 @@ done
 rm -rf $R/table1-bfloat16
 exitspec bench --preset table1 --drafters dflash --verifiers tev --budgets auto --num-prompts 20 \
     --max-new-tokens 128 --threads 2 --dtype bfloat16 --out $R/table1-bfloat16 > $R/table1-bfloat16.txt 2>&1
+# fp32 on the first 10 prompts per set of the same preset, right after (the same machine and sitting)
+rm -rf $R/table1-float32
+exitspec bench --preset table1 --drafters dflash --verifiers tev --budgets auto --num-prompts 10 \
+    --max-new-tokens 128 --threads 2 --dtype float32 --out $R/table1-float32 > $R/table1-float32.txt 2>&1
