@@ -99,9 +99,7 @@ def load_model_and_tokenizer(
     device = resolve_device(device)
     default = path is None
     path = model_folder(path)
-    if dtype == "auto" and device.type == "cpu" and supports_config(AutoConfig.from_pretrained(path)) is not None:
-        dtype = torch.float32  # bf16 is exact on a CPU only through the lean forward's batch-invariant attention
-    dtype = resolve_dtype(dtype, device)
+    dtype = resolve_dtype(dtype, device, AutoConfig.from_pretrained(path) if dtype == "auto" else None)
     remedy = f"delete {path} and rerun to convert it again" if default else "re-download or re-convert the model"
     for weights in sorted(path.glob("*.safetensors")):
         check_safetensors(weights, remedy)
@@ -133,13 +131,15 @@ def resolve_device(name: str | torch.device | None = None) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """A torch dtype. "auto" is bfloat16 on CUDA and on a CPU with native bf16 (there a tree forward costs far
-    less in bf16, and batch-invariant attention keeps it exact: attention.py), float32 elsewhere."""
+def resolve_dtype(name: str | torch.dtype, device: torch.device, config=None) -> torch.dtype:
+    """A torch dtype. "auto" is bfloat16 on CUDA, and on a CPU with native bf16 for a model the lean forward runs
+    (`config`: the model's; None: taken to be one): there a tree forward costs far less in bf16, and the lean
+    forward's batch-invariant attention keeps it exact (attention.py). float32 elsewhere."""
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and native_bf16()) else torch.float32
+        lean = config is None or supports_config(config) is None
+        return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and native_bf16() and lean) else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
     return getattr(torch, name)

@@ -4,10 +4,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
