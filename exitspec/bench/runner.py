@@ -10,6 +10,8 @@ to the turns before it):
 
 Like with like: a spec row and its baseline row share the prompt ids, max_new_tokens, temperature, top-p,
 top-k, seed and stop tokens, and all three runs get the prompt as token ids (no tokenisation timed).
+A context turn (data.Sample.context_turns: mtbench-revise's first turn) has a baseline row only, for the
+answer the measured turn follows; peers and the report skip it.
 SR = baseline seconds / speculative seconds for the same number of tokens (total seconds of each generate
 call, prefill included, per generated token; at temperature 0 both runs emit the same tokens and it is the
 plain ratio of seconds). Each kind of run is warmed up once (8 tokens) before its first timed call.
@@ -121,7 +123,8 @@ class Plan:
                     configs = self.configs_at(temperature)
                     for repeat in range(self.repeats):
                         for turn in range(sample.num_turns):
-                            for config in (None, *configs):
+                            measured = turn >= sample.context_turns  # a context turn needs only its AR answer
+                            for config in (None, *configs) if measured else (None,):
                                 yield Step(name, sample, temperature, repeat, turn, config)
 
     def key(self, step: Step) -> dict:
@@ -383,9 +386,10 @@ def run_plan(plan: Plan, runner: Runner, results: ResultsFile, limit: int | None
 
 
 def baseline_prompts(plan: Plan, results: ResultsFile, runner: Runner) -> list[tuple[dict, list[int]]]:
-    """(key, prompt ids) of every baseline row of `plan` that `results` holds: what the peers decode."""
+    """(key, prompt ids) of every measured turn's baseline row of `plan` that `results` holds: what the peers
+    decode."""
     return [(key, ids) for step, key, ids in _prompts(plan, runner, results)
-            if step.config is None and results.get(key) is not None]
+            if step.config is None and step.turn >= step.sample.context_turns and results.get(key) is not None]
 
 
 def _prompts(plan: Plan, runner: Runner, results: ResultsFile) -> Iterator[tuple[Step, dict, list[int]]]:
