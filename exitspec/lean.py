@@ -11,8 +11,9 @@ SmolLM2-135M. Here a layer is six library calls on [n, D] rows: RMSNorm, one fus
     keys [1, Hkv, L+n, hd], so grouped-query attention needs no copy of K or V; the float mask [1, 1, g·n, L+n]
     is 0 where a row may look and -inf elsewhere (the tree's ancestor mask over the new tokens, all of the
     cache). 4D inputs let CPU sdpa take its fused kernel: 30 layers of 9 rows cost 1.6 ms against 3.7 ms in
-    the 3D math path. A bf16 target on a CPU attends through attention.py's batch-invariant kernel instead, so
-    that a tree's rows equal one-token steps bit for bit.
+    the 3D math path. A bf16 target on a CPU attends through attention.py's batch-invariant kernel instead in
+    trees and one-token steps, so that a tree's rows equal one-token steps bit for bit (a prompt's prefill,
+    which both decodings share, keeps sdpa).
 
 The fused weights are built once by concatenation, and the transformers modules' weights become views
 into them, so the model is not held twice and `model.generate` keeps working on the same storage. On a CPU
@@ -326,10 +327,16 @@ class LeanLlama:
         x = self.embed(ids)  # [n, D]
         cos, sin = self.rotary(x[None], positions[None])  # [1, n, hd]
         cos, sin = cos[0], sin[0]
-        if visible is None and (n > 1 or self.invariant):
+        # trees and one-token steps attend through the batch-invariant kernel, so that a tree's rows equal the
+        # steps' bit for bit; a causal run of several tokens (a prompt's prefill, which speculative and
+        # autoregressive decoding share) through sdpa, the fastest
+        invariant = self.invariant and (visible is not None or n == 1)
+        if visible is None and n > 1:
             visible = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+        elif visible is None and invariant:
+            visible = torch.ones(1, 1, dtype=torch.bool, device=ids.device)
         mask = None
-        if n > 1 and not self.invariant:
+        if n > 1 and not invariant:
             mask = additive_mask(visible, start, x.dtype).repeat(groups, 1)[None, None]  # [1, 1, g·n, L+n], rows in the order of the stacked query heads
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
@@ -337,7 +344,7 @@ class LeanLlama:
             def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:  # [H, n, hd], [Hkv, n, hd] x 2
                 self.keys[i, :, start:end], self.values[i, :, start:end] = k, v
                 keys, values = self.keys[i, :, :end], self.values[i, :, :end]  # [Hkv, L+n, hd]
-                if self.invariant:
+                if invariant:
                     q = q.reshape(self.kv_heads, groups, n, self.head_dim)
                     out = invariant_attention(q, keys, values, visible, start, self.head_dim**-0.5)
                     return out.view(self.heads, n, self.head_dim)

@@ -10,7 +10,7 @@ from test_decode import PROMPT, RandomTreeDrafter
 from tiny_models import save_tiny_llama, tiny_llama
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from exitspec import models
+from exitspec import lean, models
 from exitspec.attention import invariant_attention
 from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters import NgramDrafter, SuffixDrafter
@@ -110,6 +110,22 @@ def test_bf16_tree_logits_equal_one_token_steps_bit_for_bit(hidden):
         for v in visible[u].nonzero().flatten().tolist():
             step = target.forward_tokens(torch.tensor([tokens[v]])).logits[0]
         assert torch.equal(step, tree_logits[u]), f"node {u}"
+
+
+@needs_native_bf16
+def test_a_prompts_prefill_takes_sdpa_and_trees_and_steps_the_kernel(monkeypatch):
+    """The prefill, which speculative and autoregressive decoding share, needs no invariance: it runs sdpa, the
+    faster for many rows; a tree forward and a one-token step run the kernel in every layer."""
+    calls = []
+    monkeypatch.setattr(lean, "invariant_attention", lambda *a: calls.append(a[0].shape[2]) or invariant_attention(*a))
+    model = tiny_llama(vocab_size=32, hidden_size=32, num_attention_heads=4).bfloat16()
+    target = TargetModel(model)
+    target.prefill(torch.arange(20) % 32)
+    assert calls == []
+    target.forward_tokens(torch.tensor([3]))
+    target.forward_tree(DraftTree.from_parents([-1, 0, 0], [1, 2, 5], vocab_size=32))
+    layers = model.config.num_hidden_layers
+    assert calls == [1] * layers + [3] * layers
 
 
 def test_auto_dtype_is_bf16_on_cuda_and_on_cpus_with_native_bf16(monkeypatch):
