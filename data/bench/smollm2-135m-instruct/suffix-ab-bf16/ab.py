@@ -5,7 +5,7 @@ one row plan and one autoregressive baseline per prompt (bench's Runner, Plan an
 --budget auto, 128 new tokens, 2 threads; warm start and learning off in both arms, so neither starts from state
 the other lacks.
 
-    python ab.py OUT N        # N prompts per set (MT-Bench, HumanEval, GSM8K, MATH-500)
+    python ab.py OUT N        # the first N prompts of each set (MT-Bench, HumanEval, GSM8K, MATH-500); resumable
 """
 import json
 import sys
@@ -14,6 +14,7 @@ from pathlib import Path
 import exitspec
 from exitspec.app import load_decoders
 from exitspec.bench import report
+from exitspec.budget import CostModel
 from exitspec.bench.runner import Config, Plan, ResultsFile, Runner, environment, run_plan
 from exitspec.data import BUILTIN, load_dataset
 from exitspec.decode import SpeculativeDecoder
@@ -32,10 +33,12 @@ without = SpeculativeDecoder(target, drafter, warm_start=False, learn=False)
 without.calibrate(max(shipped.costs), cost=shipped.costs[max(shipped.costs)])
 runner = Runner({"dflash": shipped, "dflash-without-suffix": without})
 plan = Plan({name: load_dataset(name)[1][:n] for name in BUILTIN},
-            [Config("dflash", "auto", "tev"), Config("dflash-without-suffix", "auto", "tev")], [0.0],
+            [Config("dflash", "auto:32", "tev"), Config("dflash-without-suffix", "auto:32", "tev")], [0.0],
             max_new_tokens=128)
 out.mkdir(parents=True, exist_ok=True)
 results = ResultsFile(out / "results.jsonl")
+if results.envs and results.envs[0].cost:  # resumed: run by the first session's cost grid and row plan, as bench does
+    runner.adopt(CostModel.from_dict(results.envs[0].cost))
 env = environment(None, runner, ["dflash"])
 env.drafters["dflash-without-suffix"] = env.drafters["dflash"]
 results.start_session(env)
