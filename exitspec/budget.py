@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from exitspec.lean import Panels, layouts_for
 from exitspec.models import cache_dir, write_atomic
-from exitspec.target import synchronize
+from exitspec.timing import fastest, timings
 from exitspec.tree import DraftTree
 
 DENSE = 32  # every tree size up to this is measured
@@ -275,23 +275,6 @@ def cheaper_panels(weight: torch.Tensor, rows: int, repeats: int = 5) -> Panels 
     return panels if panelled < (1 - PLAN_GAIN) * whole else None
 
 
-def fastest(run, repeats: int, device: torch.device, reset=lambda: None) -> float:
-    """Seconds of the fastest of `repeats` calls of run(): other work on the machine only ever adds time."""
-    return min(timings(run, repeats, device, reset))
-
-
-def timings(run, repeats: int, device: torch.device, reset=lambda: None) -> list[float]:
-    """Seconds of each of `repeats` calls of run() (the device's queued work included), calling reset() untimed
-    after each."""
-    seconds = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        run()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-        reset()
-    return seconds
 
 
 def best_size(scores, cost: CostModel, draft_seconds: float, cap: int) -> int:

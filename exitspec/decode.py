@@ -10,16 +10,12 @@ device (bench/rounds.py counts it). The target's KV cache holds every committed 
 roots the next tree. Each round
 emits the accepted draft tokens plus one bonus token, so a round never emits less than autoregressive
 decoding does. `generate_autoregressive` is the plain one-token-per-step loop on the same backend: the
-baseline for the speedup ratio (SR). All timing lives here, in `StageTimer`.
+baseline for the speedup ratio (SR). Both time themselves with timing.StageTimer.
 """
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,50 +28,14 @@ from exitspec.flow import frontier, observed_reach
 from exitspec.models import check_loaded, load_model_and_tokenizer
 from exitspec.sampling import SamplingParams, WarpedRows
 from exitspec.settings import budget_cap, parse_budget
-from exitspec.target import TargetModel, all_finite, synchronize
+from exitspec.target import TargetModel, all_finite
+from exitspec.timing import StageTimer
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS, Decision, Verdict, check_verifier
 from exitspec.warm import WarmStart
 
 STAGES = ("draft", "build", "target", "verify", "commit")
 Prompt = str | Sequence[dict] | Sequence[int] | Tensor
-
-
-STAGE: ContextVar[str | None] = ContextVar("exitspec_stage", default=None)  # the stage running now (bench/rounds.py)
-
-
-class StageTimer:
-    """Wall-clock seconds per stage, without a device sync of its own (a sync drains a GPU's queue).
-
-    Each half of a round ends in a host read that waits for the device anyway: the draft half (draft + build)
-    in the drafter's one transfer of its candidates, the target half (target + verify + commit) in the
-    verdict's. So on a GPU the halves' sums, which `--budget auto` weighs, are right; within a half the
-    device time lands in the stage that waits for it."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.last: dict[str, float] = defaultdict(float)  # each stage's latest interval
-
-    @contextmanager
-    def __call__(self, stage: str):
-        token = STAGE.set(stage)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.last[stage] = time.perf_counter() - start
-            self.seconds[stage] += self.last[stage]
-            STAGE.reset(token)
-
-    @contextmanager
-    def round(self):
-        """One round's bookkeeping between the stages (stats, `auto`'s record, the drafter's observe): stage "loop"."""
-        self.last.clear()
-        token = STAGE.set("loop")
-        try:
-            yield
-        finally:
-            STAGE.reset(token)
 
 
 @dataclass
@@ -341,11 +301,10 @@ class SpeculativeDecoder:
         self.drafter.calibrate_for(params)
         if self.warm_start:
             self._warm.load(params, auto, self.learn)  # once per settings in this process (warm.py)
-        run, prompt_ids, timer, start = _start_run(self.target, prompt, max_new_tokens, stop_tokens, stream, chat)
+        run, prompt_ids, timer = _start_run(self.target, prompt, max_new_tokens, stop_tokens, stream, chat)
         features = self.target.prefill(torch.tensor(prompt_ids[:-1], device=self.target.device))
         self.drafter.begin(torch.tensor(prompt_ids, device=self.target.device), features)
-        synchronize(self.target.device)  # once a sequence: the prefill's own time, not the first round's
-        prefill_seconds = time.perf_counter() - start
+        prefill_seconds = timer.elapsed()  # a sync, once a sequence: the prefill's own time, not the first round's
         context, rounds = list(prompt_ids), []  # the token ids so far, on the host; its last one roots the next tree
         while not run.done:
             with timer.round():
@@ -356,7 +315,7 @@ class SpeculativeDecoder:
             if max_rounds is not None and len(rounds) >= max_rounds and not run.done:
                 run.stopped_by = "max_rounds"
                 break
-        result = _finish_run(self.target, run, prompt_ids, rounds, timer, prefill_seconds, start)
+        result = _finish_run(self.target, run, prompt_ids, rounds, timer, prefill_seconds)
         learned = self.learn and learn
         if learned:
             self.drafter.learn(run.tokens)
@@ -462,10 +421,9 @@ def generate_autoregressive(
 ) -> GenerationResult:
     """The SR baseline: one target forward and one draw per token, on the same backend and cache."""
     params = SamplingParams(temperature, top_k, top_p)
-    run, prompt_ids, timer, start = _start_run(target, prompt, max_new_tokens, stop_tokens, stream, chat)
+    run, prompt_ids, timer = _start_run(target, prompt, max_new_tokens, stop_tokens, stream, chat)
     target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
-    synchronize(target.device)
-    prefill_seconds = time.perf_counter() - start
+    prefill_seconds = timer.elapsed()
     generator = torch.Generator(device=target.device).manual_seed(seed)
     token, rounds = prompt_ids[-1], []
     while not run.done:
@@ -477,11 +435,11 @@ def generate_autoregressive(
         with timer("verify"):
             token = WarpedRows(logits[-1:], params).draw(0, generator)
         rounds.append(RoundStats(0, 0, run.emit([token]), 0.0))
-    return _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start)
+    return _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds)
 
 
 def _start_run(target: TargetModel, prompt, max_new_tokens, stop_tokens, stream, chat):
-    start = time.perf_counter()
+    timer = StageTimer(target.device)  # a run's time starts before its prompt is encoded
     prompt_ids = encode_prompt(target.tokenizer, prompt, chat)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -496,12 +454,11 @@ def _start_run(target: TargetModel, prompt, max_new_tokens, stop_tokens, stream,
     stops = default_stop_tokens(target) if stop_tokens is None else {int(t) for t in stop_tokens}
     text_stream = TextStream(target.tokenizer, stream) if stream and target.tokenizer is not None else None
     target.reset()
-    return _Run(max_new_tokens, stops, text_stream), prompt_ids, StageTimer(), start
+    return _Run(max_new_tokens, stops, text_stream), prompt_ids, timer
 
 
-def _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds, start) -> GenerationResult:
-    synchronize(target.device)  # the last round's commit may still be queued
-    total = time.perf_counter() - start
+def _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds) -> GenerationResult:
+    total = timer.elapsed()  # a sync: the last round's commit may still be queued
     text = target.tokenizer.decode(run.tokens, skip_special_tokens=True) if target.tokenizer is not None else None
     return GenerationResult(
         prompt_ids, run.tokens, text, rounds, dict(timer.seconds), prefill_seconds, total, run.stopped_by,

@@ -34,12 +34,6 @@ from exitspec.lean import LeanLlama, additive_mask, supports
 from exitspec.tree import DraftTree
 
 
-def synchronize(device: torch.device) -> None:
-    """Waits for the device's queued work (a no-op on the CPU), so that wall-clock timings cover it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def all_finite(logits: Tensor) -> Tensor:
     """[] bool on the device: no NaN or ±inf in logits [n, V]. Either makes the sum non-finite (so would finite
     logits summing past ±3e38), and a non-finite sum times 0 is NaN."""

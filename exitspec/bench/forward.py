@@ -21,9 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from exitspec.app import load_decoders
-from exitspec.budget import chain_runs, fastest, timings
+from exitspec.budget import chain_runs
 from exitspec.lean import supports
 from exitspec.target import TargetModel
+from exitspec.timing import fastest, timings
 from exitspec.tree import DraftTree
 
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
@@ -42,7 +43,7 @@ def bushy_tree(size: int, root: int, vocab: int, device) -> DraftTree:
 
 def target_stage_seconds(target: TargetModel, tree: DraftTree) -> float:
     """Seconds of one target stage over `tree` (forward_tree + commit of the root), device-synchronised
-    (budget.timings); the cache is then cut back, untimed, so every measurement sees the same context."""
+    (timing.timings); the cache is then cut back, untimed, so every measurement sees the same context."""
     context = target.cache_len
 
     def verify_nothing() -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import transformers
@@ -42,6 +41,7 @@ from exitspec.bench.runner import Plan, ResultsFile, Runner, baseline_prompts, h
 from exitspec.bench.vllm_worker import RESULT_PREFIX
 from exitspec.drafters import draft_model
 from exitspec.drafters.model import DEPTH
+from exitspec.timing import StageTimer
 
 SPECULATION = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
@@ -103,11 +103,11 @@ def _hf_assistant(spec: str, batch, runner: Runner, plan: Plan) -> tuple[list, l
         count["rounds"] += 1
 
     def draft_start(*_):
-        started.append(time.perf_counter())
+        started.append(StageTimer(runner.target.device))
 
     def draft_end(*_):
         count["draft_forwards"] += 1
-        count["draft_seconds"] += time.perf_counter() - started.pop()
+        count["draft_seconds"] += started.pop().elapsed()
 
     hooks = [runner.hf_model.register_forward_pre_hook(target_call), draft.register_forward_pre_hook(draft_start),
              draft.register_forward_hook(draft_end)]
@@ -115,10 +115,10 @@ def _hf_assistant(spec: str, batch, runner: Runner, plan: Plan) -> tuple[list, l
     try:
         for key, ids in batch:
             count.update(rounds=0, draft_forwards=0, draft_seconds=0.0)
-            start = time.perf_counter()
+            timer = StageTimer(runner.target.device)
             tokens = hf_generate(runner.hf_model, ids, runner.stops, plan.max_new_tokens, key["temperature"],
                                  plan.top_p, plan.top_k, key["seed"], assistant_model=draft)
-            runs.append((tokens, time.perf_counter() - start))
+            runs.append((tokens, timer.elapsed()))
             counts.append(dict(count))
     finally:
         for hook in hooks:
@@ -129,10 +129,10 @@ def _hf_assistant(spec: str, batch, runner: Runner, plan: Plan) -> tuple[list, l
 def _hf_lookup(batch, runner: Runner, plan: Plan) -> list[tuple[list[int], float]]:
     runs = []
     for key, ids in batch:
-        start = time.perf_counter()
+        timer = StageTimer(runner.target.device)
         tokens = hf_generate(runner.hf_model, ids, runner.stops, plan.max_new_tokens, key["temperature"], plan.top_p,
                              plan.top_k, key["seed"], prompt_lookup_num_tokens=LOOKUP_TOKENS)
-        runs.append((tokens, time.perf_counter() - start))
+        runs.append((tokens, timer.elapsed()))
     return runs
 
 

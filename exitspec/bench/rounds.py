@@ -8,7 +8,7 @@ on any device, CPU included, by watching the code run:
 
     ops     every aten op dispatched (a TorchDispatchMode) but those that hand back their input untouched (x.to of
             x's own dtype), by stage: draft, build, target, verify, commit, and
-            loop (the round's bookkeeping between them, decode.StageTimer.round)
+            loop (the round's bookkeeping between them, timing.StageTimer.round)
     syncs   every host read of a tensor on the decoder's device: .item(), bool(t), int(t), float(t), .tolist(),
             .numpy(), .cpu(), .to("cpu"), and the ops whose output shape depends on the data (nonzero,
             unique, masked_select, boolean indexing); each with its call site in exitspec (file:line)
@@ -32,8 +32,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from exitspec.app import load_decoders
-from exitspec.decode import STAGE, STAGES, SpeculativeDecoder
+from exitspec.decode import STAGES, SpeculativeDecoder
 from exitspec.drafters import default_drafter
+from exitspec.timing import STAGE
 
 aten = torch.ops.aten
 SHAPE_SYNC_OPS = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,

@@ -44,12 +44,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from exitspec.bench.rows import ARRun, BaselineRow, EnvRow, HFRun, PeerRow, Row, SpecRow, dump_row, load_row
 from exitspec.budget import CostModel
 from exitspec.data import Sample
-from exitspec.decode import SpeculativeDecoder, StageTimer, default_stop_tokens, encode_prompt
+from exitspec.decode import SpeculativeDecoder, default_stop_tokens, encode_prompt
 from exitspec.drafters import drafter_folder
 from exitspec.drafters.chain import CHAIN_PREFIX
 from exitspec.models import default_model_dir
 from exitspec.sampling import SamplingParams
 from exitspec.settings import budget_cap, parse_budget
+from exitspec.timing import StageTimer
 from exitspec.verify import check_verifier
 
 BASELINE_KEY = ("dataset", "prompt_id", "turn", "repeat", "seed", "temperature", "top_p", "top_k", "max_new_tokens")
@@ -332,10 +333,9 @@ class Runner:
         return self.first.autoregressive(prompt_ids, stop_tokens=self.stops, **gen)
 
     def _hf(self, prompt_ids, gen) -> tuple[list[int], float]:
-        timer = StageTimer()
-        with timer("hf"):
-            tokens = hf_generate(self.hf_model, prompt_ids, self.stops, **gen)
-        return tokens, timer.seconds["hf"]
+        timer = StageTimer(self.target.device)
+        tokens = hf_generate(self.hf_model, prompt_ids, self.stops, **gen)
+        return tokens, timer.elapsed()
 
     def _warm_up(self, what, run: Callable[[dict], object], gen: dict) -> None:
         """Runs `run` once on a few tokens the first time `what` is measured, so one-time costs stay untimed."""

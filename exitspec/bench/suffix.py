@@ -17,7 +17,6 @@ Reported: median microseconds of each.
 from __future__ import annotations
 
 import statistics
-import time
 from itertools import islice
 
 from rich.console import Console
@@ -26,6 +25,7 @@ from rich.table import Table
 from exitspec.data import sharegpt
 from exitspec.drafters.suffix import SuffixMemory, SuffixSource
 from exitspec.models import load_model_and_tokenizer
+from exitspec.timing import StageTimer
 
 BLOCK = 3  # tokens a round commits, about τ of the default model's trees
 REQUEST = 4000  # request tokens replayed round by round
@@ -44,20 +44,21 @@ def measure(model=None, sizes=SIZES) -> dict:
         while added < size:  # until it is full: from there on, each answer evicts the oldest
             answer = tokenizer.encode(next(texts))
             added += len(answer)
-            start = time.perf_counter()
+            timer = StageTimer()
             memory.add(answer)
-            learn.append((time.perf_counter() - start) / max(len(answer), 1))
+            learn.append(timer.elapsed() / max(len(answer), 1))
         source = SuffixSource(memory)
         source.begin(request[:BLOCK])
         updates, lookups = [], []
         for end in range(2 * BLOCK, len(request), BLOCK):
             context = request[:end]
-            start = time.perf_counter()
-            source.sync(context)
-            updates.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            source.trees(source.propose(context, 16), context[-1])
-            lookups.append(time.perf_counter() - start)
+            timer = StageTimer()
+            with timer("update"):
+                source.sync(context)
+            with timer("lookup"):
+                source.trees(source.propose(context, 16), context[-1])
+            updates.append(timer.last["update"])
+            lookups.append(timer.last["lookup"])
         rows.append({
             "stored": memory.stored, "answers": len(memory.answers),
             "update_us": 1e6 * statistics.median(updates), "lookup_us": 1e6 * statistics.median(lookups),

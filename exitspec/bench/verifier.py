@@ -48,7 +48,6 @@ from torch import Tensor
 from exitspec.app import load_decoders
 from exitspec.bench import forward, rounds, suffix
 from exitspec.bench.report import verifier_markdown
-from exitspec.budget import timings
 from exitspec.build import build_ddtree
 from exitspec.decode import encode_prompt
 from exitspec.drafters import DFlashDrafter
@@ -57,6 +56,7 @@ from exitspec.models import resolve_device
 from exitspec.sampling import SamplingParams, WarpedRows, target_probs
 from exitspec.settings import MAX_BUDGET, parse_budget
 from exitspec.target import TargetModel
+from exitspec.timing import timings
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS, decide_tev
 
