@@ -35,7 +35,8 @@ inline void to_float(const scalar_t* src, float* dst, int64_t count) {
   }
 }
 
-constexpr int64_t kRows = 4;   // query rows computed together (register blocking; each row's arithmetic is its own)
+constexpr int64_t kRows = 8;   // at most this many query rows computed together (register blocking: a block of
+                               // up to 4 rows runs 4 wide, a bigger one 8; each row's arithmetic is its own)
 constexpr int64_t kLanes = 16; // keys scored together, one per vector lane
 
 // Every number a row's output depends on is computed by one fixed sequence of float operations: its score for a
@@ -51,15 +52,16 @@ struct Block {
 
   int64_t dim() const { return HD ? HD : hd; }
 
-  // scores [rows, T] of up to kRows queries [rows, hd] against every key
+  // scores [rows, T] of up to R queries [rows, hd] against every key
+  template <int64_t R>
   void score(const float* query, int64_t rows, float* scores) const {
     const int64_t D = dim();
     int64_t j = 0;
     for (; j + kLanes <= total; j += kLanes) {
-      float acc[kRows][kLanes] = {};
+      float acc[R][kLanes] = {};
       for (int64_t d = 0; d < D; ++d) {
         const float* k = keys_t + d * total + j;
-        for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t r = 0; r < R; ++r)
           for (int64_t l = 0; l < kLanes; ++l) acc[r][l] += query[r * D + d] * k[l];
       }
       for (int64_t r = 0; r < rows; ++r)
@@ -74,14 +76,15 @@ struct Block {
   }
 
   // out [rows, hd] = Σ_i w[r][i] v[key i] / Σ_i w[r][i] over the cache's keys, then each row's own `extra` keys
+  template <int64_t R>
   void weigh(const float* weights, const int64_t* extra, const int64_t* extra_count, int64_t rows, float* out) const {
     const int64_t D = dim();
-    float acc[kRows][HD ? HD : 1];
+    float acc[R][HD ? HD : 1];
     float* a = HD ? &acc[0][0] : out;  // runtime hd accumulates in `out` itself
-    for (int64_t i = 0; i < kRows * D; ++i) a[i] = 0.f;
+    for (int64_t i = 0; i < R * D; ++i) a[i] = 0.f;
     for (int64_t j = 0; j < start; ++j) {
       const float* v = values_f + j * D;
-      for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t r = 0; r < R; ++r)
         for (int64_t d = 0; d < D; ++d) a[r * D + d] += weights[r * total + j] * v[d];
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -147,7 +150,8 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
       const Block<HD> block{keys_t + head * hd * total, values_f + head * total * hd, hd, total, start, n};
       const scalar_t* qh = q_data + (head * rows_per_head + first) * hd;  // q is contiguous [Hkv, g, n, hd]
       to_float(qh, query.data(), rows * hd);
-      block.score(query.data(), rows, scores.data());
+      if (rows <= kRows / 2) block.template score<kRows / 2>(query.data(), rows, scores.data());
+      else block.template score<kRows>(query.data(), rows, scores.data());
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t row = (first + r) % n;  // the query's token among the n new ones
         row_count[r] = extra_count[row];
@@ -159,7 +163,8 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
         for (int64_t i = 0; i < row_count[r]; ++i) top = std::max(top, s[row_extra[r * n + i]]);
         for (int64_t j = 0; j < total; ++j) s[j] = exp_nonpositive(s[j] - top);  // unseen keys' weights go unread
       }
-      block.weigh(scores.data(), row_extra.data(), row_count.data(), rows, result.data());
+      if (rows <= kRows / 2) block.template weigh<kRows / 2>(scores.data(), row_extra.data(), row_count.data(), rows, result.data());
+      else block.template weigh<kRows>(scores.data(), row_extra.data(), row_count.data(), rows, result.data());
       scalar_t* o = out_data + (head * rows_per_head + first) * hd;
       for (int64_t i = 0; i < rows * hd; ++i) o[i] = static_cast<scalar_t>(result[i]);
     }
