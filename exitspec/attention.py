@@ -26,6 +26,7 @@ for the CPU at hand (-march=native: the same machine runs both sides of every co
 
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from torch import Tensor
 
 SOURCE = Path(__file__).parent / "csrc" / "invariant_attention.cpp"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
+IDENTITY = "invariant:" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]  # in forward configs and cost caches
 
 
 @cache

@@ -202,10 +202,12 @@ class CostModel:
 
 
 def cost_path(target, max_size: int) -> Path:
-    """The cost cache's file for this target (model, device, dtype, backend, threads, torch) and max size."""
+    """The cost cache's file for this target (model, device, dtype, backend, its attention, threads, torch) and max
+    size."""
     key = json.dumps([
         target.model.config.to_json_string(use_diff=False), str(target.device), str(target.model.dtype),
-        type(target.backend).__name__, torch.get_num_threads(), torch.__version__, max_size, MEASURE_VERSION,
+        type(target.backend).__name__, getattr(target.backend, "attention", "sdpa"), torch.get_num_threads(),
+        torch.__version__, max_size, MEASURE_VERSION,
     ] + ([] if target.weight_copies else ["no weight copies"]))
     return cache_dir() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from exitspec.attention import invariant_attention
+from exitspec.attention import IDENTITY, invariant_attention
 from exitspec.settings import native_bf16
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -272,6 +272,7 @@ class LeanLlama:
         self.row_plan: dict[int, tuple[int, str]] = {}  # n rows -> (rows to run on, layout): `linear`
         self.layouts: dict[str, LayoutSet] = {}  # the model's weights in each layout the plan uses
         self.invariant = invariant_by_default(self.device, self.dtype)  # attention.py's, else sdpa
+        self.attention = IDENTITY if self.invariant else "sdpa"  # which attention trees and steps run
 
     def reset(self) -> None:
         self.length = 0

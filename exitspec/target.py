@@ -155,12 +155,14 @@ class TargetModel:
         return dict(self.backend.row_plan) if isinstance(self.backend, LeanLlama) else {}
 
     def forward_config(self) -> dict:
-        """What decides how fast a forward runs: backend, device, dtype, threads and the row plan."""
+        """What decides how fast a forward runs: backend, device, dtype, threads, attention (sdpa or the kernel's
+        version) and the row plan."""
         return {
             "backend": type(self.backend).__name__,
             "device": str(self.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
+            "attention": getattr(self.backend, "attention", "sdpa"),
             "row_plan": {str(rows): list(how) for rows, how in sorted(self.row_plan.items())},
         }
 
