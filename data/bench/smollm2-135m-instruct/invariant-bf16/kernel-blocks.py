@@ -1,13 +1,16 @@
 """The target stage (tree forward + commit, device-synchronised, median of 6 alternated runs) over bushy trees of
 N nodes after 300 and 1000 cached tokens, bf16, 2 threads: the attention kernel before blocks of 8 rows (OLD, the
-source at commit 7dcc0ba~1) against the current one, in one process.
+source at commit fb526ae) against the current one, in one process.
 
     git show fb526ae:exitspec/csrc/invariant_attention.cpp > /tmp/old.cpp
     python kernel-blocks.py /tmp/old.cpp
 """
+import statistics
 import sys
 
-import statistics, torch, exitspec
+import torch
+
+import exitspec
 from torch.utils.cpp_extension import load
 from exitspec import lean
 from exitspec.app import load_decoders
