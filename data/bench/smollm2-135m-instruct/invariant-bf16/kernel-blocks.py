@@ -9,13 +9,14 @@ import statistics
 import sys
 
 import torch
+from torch.utils.cpp_extension import load
 
 import exitspec
-from torch.utils.cpp_extension import load
 from exitspec import lean
 from exitspec.app import load_decoders
 from exitspec.attention import FLAGS, invariant_attention
 from exitspec.bench.forward import bushy_tree, target_stage_seconds
+
 exitspec.setup_cpu()
 old = load(name="kx_old", sources=[sys.argv[1]], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"]).invariant_attention
 d = load_decoders(None, ["dflash"], dtype="bfloat16", threads=2, budgets=None, warm_start=False, learn=False)["dflash"]
