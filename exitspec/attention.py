@@ -13,14 +13,15 @@ then its ancestors-or-self in depth order) as
     s_j = scale · Σ_d q_d k_{j,d}   (in order of d),      m = max_j s_j,      w_j = exp(s_j − m),
     out = Σ_j w_j v_j / Σ_j w_j     (in order of j),
 
-in fp32 from the cache's dtype, with one fixed sequence of float operations per number: vectorised across keys
+in fp32 (the lean forward keeps its cache in float32 for it, the keys transposed, so no call converts the cache),
+with one fixed sequence of float operations per number: vectorised across keys
 for the scores and across d for the sums, never across the order of a sum; FMA contraction off, so a vector
 lane and a loop's scalar tail round alike; exp as plain arithmetic (a libm call differs between its vector and
 scalar versions). A one-token step lays out the same keys in the same order in its cache, so it computes the
 same bits. Together with products that are invariant in the row count (lean.LeanLlama.linear runs bf16 products
 on 2 rows or more) a tree's logits equal the one-token steps' bit for bit (tests/test_attention.py).
 
-The extension is compiled on first use (torch.utils.cpp_extension; ~30 s, cached under torch's extensions folder)
+The extension is compiled on first use (torch.utils.cpp_extension; ~30 s, cached under torch's extensions folder, one build per version of the source)
 for the CPU at hand (-march=native: the same machine runs both sides of every comparison).
 """
 
@@ -34,7 +35,8 @@ from torch import Tensor
 
 SOURCE = Path(__file__).parent / "csrc" / "invariant_attention.cpp"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
-IDENTITY = "invariant:" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]  # in forward configs and cost caches
+DIGEST = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]  # one build per version of the source
+IDENTITY = f"invariant:{DIGEST}"  # in forward configs and cost caches
 
 
 @cache
@@ -43,7 +45,8 @@ def kernel():
     from torch.utils.cpp_extension import load
 
     try:
-        return load(name="exitspec_attention", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+        return load(name=f"exitspec_attention_{DIGEST}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                    extra_ldflags=["-fopenmp"])
     except (OSError, RuntimeError, ImportError) as error:
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         raise RuntimeError(
@@ -52,8 +55,9 @@ def kernel():
         ) from None
 
 
-def invariant_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, start: int, scale: float) -> Tensor:
-    """q [Hkv, g, n, hd] (the g query heads of each KV head, n new rows); keys, values [Hkv, start + n, hd] (the
-    cache, then the new rows'; the last dim contiguous); visible [n, n] bool (row i sees new row j: ancestors-or-
-    self, parents before children). Returns [Hkv, g, n, hd] in q's dtype (the equations above)."""
-    return kernel().invariant_attention(q, keys, values, visible, start, scale)
+def invariant_attention(q: Tensor, keys_t: Tensor, values: Tensor, visible: Tensor, start: int, scale: float) -> Tensor:
+    """q [Hkv, g, n, hd] (the g query heads of each KV head, n new rows); keys_t [Hkv, hd, ≥ start + n] and values
+    [Hkv, ≥ start + n, hd], float32 with the last dim contiguous (the cache, then the new rows'; slots past them
+    unread); visible [n, n] bool (row i sees new row j: ancestors-or-self, parents before children). Returns
+    [Hkv, g, n, hd] in q's dtype (the equations above)."""
+    return kernel().invariant_attention(q, keys_t, values, visible, start, scale)

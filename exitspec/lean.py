@@ -267,7 +267,7 @@ class LeanLlama:
         self.last_layer = len(self.layers) - 1
         weight = self.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.keys = self.values = None  # [layers, Hkv, capacity, hd]
+        self.keys = self.values = None  # [layers, Hkv, capacity, hd]; under the kernel float32, keys [.., hd, capacity]
         self.length = 0
         self.row_plan: dict[int, tuple[int, str]] = {}  # n rows -> (rows to run on, layout): `linear`
         self.layouts: dict[str, LayoutSet] = {}  # the model's weights in each layout the plan uses
@@ -301,17 +301,26 @@ class LeanLlama:
         return F.linear(x, weight, bias)[:n]
 
     def _reserve(self, end: int) -> None:
-        """Grows the cache (doubling, so appends cost amortised O(1)) to hold `end` entries."""
-        capacity = 0 if self.keys is None else self.keys.shape[2]
+        """Grows the cache (doubling, so appends cost amortised O(1)) to hold `end` entries. Under the invariant
+        kernel it is float32 with the keys transposed, the layout the kernel reads (the bf16 values exactly)."""
+        capacity = 0 if self.keys is None else self.values.shape[2]
         if end <= capacity:
             return
         shape = (len(self.layers), self.kv_heads, max(end, 2 * capacity, 256), self.head_dim)
-        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        dtype = torch.float32 if self.invariant else self.dtype
+        values = torch.empty(shape, dtype=dtype, device=self.device)
+        keys = torch.empty(shape, dtype=dtype, device=self.device)
+        if self.invariant:
+            keys = keys.transpose(2, 3).contiguous()  # [layers, Hkv, hd, capacity]
         if self.length:
-            keys[:, :, : self.length] = self.keys[:, :, : self.length]
+            self._keys(keys)[:, :, : self.length] = self._keys()[:, :, : self.length]
             values[:, :, : self.length] = self.values[:, :, : self.length]
         self.keys, self.values = keys, values
+
+    def _keys(self, keys: Tensor | None = None) -> Tensor:
+        """The key cache (or `keys`) as [layers, Hkv, capacity, hd], a view."""
+        keys = self.keys if keys is None else keys
+        return keys.transpose(2, 3) if self.invariant else keys
 
     @torch.inference_mode()
     def forward(
@@ -343,12 +352,14 @@ class LeanLlama:
         for i, layer in enumerate(self.layers):
 
             def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:  # [H, n, hd], [Hkv, n, hd] x 2
-                self.keys[i, :, start:end], self.values[i, :, start:end] = k, v
-                keys, values = self.keys[i, :, :end], self.values[i, :, :end]  # [Hkv, L+n, hd]
+                self._keys()[i, :, start:end], self.values[i, :, start:end] = k, v
                 if invariant:
                     q = q.reshape(self.kv_heads, groups, n, self.head_dim)
-                    out = invariant_attention(q, keys, values, visible, start, self.head_dim**-0.5)
+                    out = invariant_attention(q, self.keys[i], self.values[i], visible, start, self.head_dim**-0.5)
                     return out.view(self.heads, n, self.head_dim)
+                keys, values = self._keys()[i, :, :end], self.values[i, :, :end]  # [Hkv, L+n, hd]
+                if self.invariant:  # a prefill under the kernel: sdpa in the model's dtype
+                    keys, values = (k, v) if start == 0 else (keys.to(self.dtype), values.to(self.dtype))
                 q = q.reshape(1, self.kv_heads, groups * n, self.head_dim)  # heads j·g .. j·g+g-1 share KV head j
                 out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask)  # 4D: CPU's fused kernel
                 return out.view(self.heads, n, self.head_dim)  # [H, n, hd]
@@ -365,7 +376,8 @@ class LeanLlama:
     def keep(self, start: int, slots: Tensor) -> None:
         """Moves cache entries `slots` [m] to start..start+m-1 in every layer and drops everything after."""
         m = slots.numel()
-        self.keys[:, :, start : start + m] = self.keys[:, :, slots]
+        keys = self._keys()
+        keys[:, :, start : start + m] = keys[:, :, slots]
         self.values[:, :, start : start + m] = self.values[:, :, slots]
         self.length = start + m
 
@@ -374,4 +386,5 @@ class LeanLlama:
 
     def kv(self, layer: int) -> tuple[Tensor, Tensor]:
         """The cached keys and values of one layer, [Hkv, length, hd] each (views)."""
-        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
+        keys, values = self._keys()[layer, :, : self.length], self.values[layer, :, : self.length]
+        return keys.to(self.dtype), values.to(self.dtype)

@@ -22,6 +22,11 @@ from exitspec.tree import DraftTree
 needs_native_bf16 = pytest.mark.skipif(not native_bf16(), reason="the CPU has no native bf16: the lean forward keeps sdpa")
 
 
+def float_cache(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[Hkv, T, hd] keys and values in the kernel's layout: float32, keys transposed to [Hkv, hd, T]."""
+    return keys.float().transpose(1, 2).contiguous(), values.float()
+
+
 def random_tree(n: int, gen: torch.Generator) -> tuple[list[int], torch.Tensor]:
     """Parents (parents before children) and the [n, n] ancestors-or-self mask of a random tree."""
     parents = [-1] + [int(torch.randint(0, u, (1,), generator=gen)) for u in range(1, n)]
@@ -45,12 +50,13 @@ def test_a_tree_row_equals_a_one_row_step_over_its_path(dtype, head_dim, cached)
     values = torch.randn(kv_heads, capacity, head_dim, generator=gen).to(dtype)
     q = torch.randn(kv_heads, groups, n, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
-    tree = invariant_attention(q, keys[:, : cached + n], values[:, : cached + n], visible, cached, scale)
+    tree = invariant_attention(q, *float_cache(keys, values), visible, cached, scale)
     one = torch.ones(1, 1, dtype=torch.bool)
     for u in range(n):
         path = visible[u].nonzero().flatten().tolist()  # ancestors-or-self in depth order
         slots = list(range(cached)) + [cached + v for v in path]
-        step = invariant_attention(q[:, :, u : u + 1], keys[:, slots], values[:, slots], one, len(slots) - 1, scale)
+        step = invariant_attention(q[:, :, u : u + 1], *float_cache(keys[:, slots], values[:, slots]), one,
+                                   len(slots) - 1, scale)
         assert torch.equal(step[:, :, 0], tree[:, :, u]), f"row {u} (depth {len(path) - 1})"
     # and it is attention: sdpa in fp32 over the same keys and mask
     mask = torch.zeros(n, cached + n).masked_fill_(torch.cat([torch.zeros(n, cached, dtype=torch.bool), ~visible], 1), -torch.inf)

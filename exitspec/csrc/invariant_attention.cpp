@@ -46,9 +46,9 @@ constexpr int64_t kLanes = 16; // keys scored together, one per vector lane
 // (-fno-trapping-math only lets the exponential's loop vectorise; it changes no result).
 template <int64_t HD>
 struct Block {
-  const float* keys_t;    // [hd, T] of this head
-  const float* values_f;  // [T, hd] of this head
-  int64_t hd, total, start, n;
+  const float* keys_t;    // [hd, ≥T] of this head, row d at keys_t + d * kstride
+  const float* values_f;  // [≥T, hd] of this head
+  int64_t kstride, hd, total, start, n;
 
   int64_t dim() const { return HD ? HD : hd; }
 
@@ -60,7 +60,7 @@ struct Block {
     for (; j + kLanes <= total; j += kLanes) {
       float acc[R][kLanes] = {};
       for (int64_t d = 0; d < D; ++d) {
-        const float* k = keys_t + d * total + j;
+        const float* k = keys_t + d * kstride + j;
         for (int64_t r = 0; r < R; ++r)
           for (int64_t l = 0; l < kLanes; ++l) acc[r][l] += query[r * D + d] * k[l];
       }
@@ -70,7 +70,7 @@ struct Block {
     for (; j < total; ++j)
       for (int64_t r = 0; r < rows; ++r) {
         float acc = 0.f;
-        for (int64_t d = 0; d < D; ++d) acc += query[r * D + d] * keys_t[d * total + j];
+        for (int64_t d = 0; d < D; ++d) acc += query[r * D + d] * keys_t[d * kstride + j];
         scores[r * total + j] = acc;
       }
   }
@@ -120,34 +120,16 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
   for (int64_t r = 0; r < n; ++r)
     for (int64_t j = 0; j < n; ++j)
       if (seen[r * n + j]) extra[r * n + extra_count[r]++] = start + j;
-  // keys transposed [Hkv, hd, T] and values [Hkv, T, hd] in float, once for all rows of a head, kLanes keys at a time
-  const at::Tensor buffer = at::empty({2 * kv_heads * hd * total}, q.options().dtype(at::kFloat));
-  float* keys_t = buffer.data_ptr<float>();
-  float* values_f = keys_t + kv_heads * hd * total;
-  const int64_t chunks = (total + kLanes - 1) / kLanes;
-  at::parallel_for(0, kv_heads * chunks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t head = item / chunks, j0 = (item % chunks) * kLanes, width = std::min(kLanes, total - j0);
-      const scalar_t* k = keys.data_ptr<scalar_t>() + head * keys.stride(0) + j0 * keys.stride(1);
-      const scalar_t* v = values.data_ptr<scalar_t>() + head * values.stride(0) + j0 * values.stride(1);
-      float* kt = keys_t + head * hd * total + j0;
-      float* vf = values_f + (head * total + j0) * hd;
-      float rows_f[kLanes * 256];  // this chunk's keys [width, hd] in float, then transposed into kt
-      for (int64_t l = 0; l < width; ++l) {
-        to_float(v + l * values.stride(1), vf + l * hd, hd);
-        to_float(k + l * keys.stride(1), rows_f + l * hd, hd);
-      }
-      for (int64_t d = 0; d < hd; ++d)
-        for (int64_t l = 0; l < width; ++l) kt[d * total + l] = rows_f[l * hd + d];
-    }
-  });
+  const float* keys_t = keys.data_ptr<float>();
+  const float* values_f = values.data_ptr<float>();
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(kRows * hd, 0.f), scores(kRows * total), result(kRows * hd);
     std::vector<int64_t> row_extra(kRows * n), row_count(kRows);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t head = item / blocks, first = (item % blocks) * kRows;
       const int64_t rows = std::min(kRows, rows_per_head - first);
-      const Block<HD> block{keys_t + head * hd * total, values_f + head * total * hd, hd, total, start, n};
+      const Block<HD> block{keys_t + head * keys.stride(0), values_f + head * values.stride(0), keys.stride(1), hd,
+                            total, start, n};
       const scalar_t* qh = q_data + (head * rows_per_head + first) * hd;  // q is contiguous [Hkv, g, n, hd]
       to_float(qh, query.data(), rows * hd);
       if (rows <= kRows / 2) block.template score<kRows / 2>(query.data(), rows, scores.data());
@@ -173,14 +155,17 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
 
 }  // namespace
 
-// q [Hkv, g, n, hd]; keys, values [Hkv, start + n, hd] (last dim contiguous); visible [n, n] bool.
+// q [Hkv, g, n, hd]; keys [Hkv, hd, ≥ start + n] and values [Hkv, ≥ start + n, hd], float, last dim contiguous
+// (the lean forward's float cache); visible [n, n] bool.
 at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                const at::Tensor& visible, int64_t start, double scale) {
   TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.dim() == 4 && keys.dim() == 3 && values.dim() == 3, "q [Hkv, g, n, hd], keys/values [Hkv, T, hd]");
-  TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(), "one dtype");
-  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1, "keys and values need a contiguous last dim");
-  TORCH_CHECK(keys.size(1) >= start + q.size(2) && values.size(1) >= start + q.size(2), "too few keys");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 3 && values.dim() == 3, "q [Hkv, g, n, hd], keys [Hkv, hd, T], values [Hkv, T, hd]");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "float keys and values");
+  TORCH_CHECK((keys.size(2) == 1 || keys.stride(2) == 1) && values.stride(2) == 1 &&
+              (values.size(1) == 1 || values.stride(1) == values.size(2)), "keys and values need contiguous rows");
+  TORCH_CHECK(keys.size(1) == q.size(3) && values.size(2) == q.size(3), "head dims differ");
+  TORCH_CHECK(keys.size(2) >= start + q.size(2) && values.size(1) >= start + q.size(2), "too few keys");
   const int64_t n = q.size(2);
   TORCH_CHECK(q.size(3) <= 256, "head dimension over 256");
   TORCH_CHECK(visible.scalar_type() == at::kBool && visible.size(0) == n && visible.size(1) == n, "visible [n, n] bool");
