@@ -25,3 +25,13 @@ exitspec bench --preset table1 --drafters dflash --verifiers tev --budgets auto 
 exitspec bench --preset table1 --drafters dflash --verifiers tev --budgets auto --num-prompts 10 \
     --max-new-tokens 128 --threads 2 --temperatures 0 --dtype bfloat16 --out $R/table1-bfloat16 \
     --peers vllm-bf16 --vllm-python /tmp/vllm-venv/bin/python > $R/table1-bfloat16-peers.txt 2>&1
+# After the kernel's blocks of 8, its float cache and the sdpa prefill (a later session, same CPU model): exitspec
+# bf16 against vLLM bf16 on the first 10 T = 0 prompts of MATH-500, twice, then of all four sets, each in one run
+for out in math500-vllm math500-vllm-2; do
+    exitspec bench --datasets math500 --num-prompts 10 --temperatures 0 --drafters dflash --verifiers tev \
+        --budgets auto --max-new-tokens 128 --threads 2 --dtype bfloat16 --out $R/$out --peers vllm-bf16 \
+        --vllm-python /tmp/vllm-venv/bin/python
+done
+exitspec bench --preset table1 --drafters dflash --verifiers tev --budgets auto --num-prompts 10 \
+    --max-new-tokens 128 --threads 2 --temperatures 0 --dtype bfloat16 --out $R/vllm-t0-session38 \
+    --peers vllm-bf16 --vllm-python /tmp/vllm-venv/bin/python > $R/vllm-t0-session38.txt 2>&1
