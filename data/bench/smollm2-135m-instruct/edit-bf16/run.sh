@@ -11,3 +11,6 @@ lscpu | grep -E "Model name|Flags" | sed 's/Flags:.*avx512_bf16.*/Flags: ... avx
 exitspec bench --preset edit --num-prompts 8 --threads 2 --dtype bfloat16 --out $R \
     --peers hf-lookup vllm-bf16 vllm-ngram-bf16 vllm-suffix-bf16 --vllm-python /tmp/vllm-venv/bin/python \
     > $R/bench.txt 2>&1
+# The same T = 0 rows after the prefill's sdpa, the kernel's blocks of 8 and its float cache (no peers)
+exitspec bench --preset edit --num-prompts 8 --threads 2 --dtype bfloat16 --temperatures 0 --out $R/after-kernel \
+    > $R/after-kernel.txt 2>&1
