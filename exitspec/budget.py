@@ -206,7 +206,7 @@ def cost_path(target, max_size: int) -> Path:
     size."""
     key = json.dumps([
         target.model.config.to_json_string(use_diff=False), str(target.device), str(target.model.dtype),
-        type(target.backend).__name__, getattr(target.backend, "attention", "sdpa"), torch.get_num_threads(),
+        type(target.backend).__name__, target.attention, torch.get_num_threads(),
         torch.__version__, max_size, MEASURE_VERSION,
     ] + ([] if target.weight_copies else ["no weight copies"]))
     return cache_dir() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
@@ -275,8 +275,6 @@ def cheaper_panels(weight: torch.Tensor, rows: int, repeats: int = 5) -> Panels 
         fastest(product, repeats + 1, weight.device) for product in (lambda: F.linear(x, weight), lambda: panels(x))
     )
     return panels if panelled < (1 - PLAN_GAIN) * whole else None
-
-
 
 
 def best_size(scores, cost: CostModel, draft_seconds: float, cap: int) -> int:

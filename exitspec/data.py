@@ -168,8 +168,8 @@ def interleave(*sources: Iterable) -> list:
 # Benchmark prompts
 
 BUILTIN = ("mtbench", "humaneval", "gsm8k", "math500")
-EDITS = ("humaneval-edit", "gsm8k-rewrite", "mtbench-revise")  # copy-heavy sets (bench --preset edit): the answer
-# repeats the prompt
+# copy-heavy sets (bench --preset edit): the answer repeats the prompt or an earlier answer
+EDITS = ("humaneval-edit", "gsm8k-rewrite", "mtbench-revise")
 REVISE_CATEGORIES = ("writing", "extraction")  # MT-Bench categories whose second turn revises the first answer
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"

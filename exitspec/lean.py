@@ -385,6 +385,7 @@ class LeanLlama:
         self.length = min(self.length, length)
 
     def kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        """The cached keys and values of one layer, [Hkv, length, hd] each (views)."""
+        """The cached keys and values of one layer, [Hkv, length, hd] each, in the model's dtype (views; copies of
+        the float cache under the invariant kernel)."""
         keys, values = self._keys()[layer, :, : self.length], self.values[layer, :, : self.length]
         return keys.to(self.dtype), values.to(self.dtype)

@@ -154,6 +154,11 @@ class TargetModel:
         """{rows: (rows run on, layout)} of the lean backend's weight products (`use_row_plan`); {} elsewhere."""
         return dict(self.backend.row_plan) if isinstance(self.backend, LeanLlama) else {}
 
+    @property
+    def attention(self) -> str:
+        """Which attention trees and steps run: "sdpa", or the batch-invariant kernel's version (attention.py)."""
+        return getattr(self.backend, "attention", "sdpa")
+
     def forward_config(self) -> dict:
         """What decides how fast a forward runs: backend, device, dtype, threads, attention (sdpa or the kernel's
         version) and the row plan."""
@@ -162,7 +167,7 @@ class TargetModel:
             "device": str(self.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
-            "attention": getattr(self.backend, "attention", "sdpa"),
+            "attention": self.attention,
             "row_plan": {str(rows): list(how) for rows, how in sorted(self.row_plan.items())},
         }
 
