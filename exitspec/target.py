@@ -46,13 +46,24 @@ class TreeForward:
     features: Tensor | None  # [n, F] concatenated hidden states of the feature layers, None without any
 
 
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name of a transformers model's KV-cache argument: transformers 5.24 renamed past_key_values to cache
+    (the old name is deprecated); either is accepted."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Cuts a DynamicCache back to its first `length` positions (its crop takes only negative counts since
+    transformers 5.24)."""
+    cache.crop(-(cache.get_seq_length() - length))
+
+
 class TransformersForward:
     """The model's own forward over a DynamicCache: the backend for architectures the lean forward lacks."""
 
     def __init__(self, model: PreTrainedModel, feature_layers: tuple[int, ...]):
         self.model, self.feature_layers = model, feature_layers
-        # transformers 5.24 renamed past_key_values to cache (the old name is deprecated); accept either.
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_arg = cache_argument(model)
         self.reset()
         kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
         if kinds:
@@ -87,8 +98,8 @@ class TransformersForward:
         """Moves cache entries `slots` [m] to start..start+m-1 in every layer and drops everything after.
 
         transformers has no public call that reorders positions within one sequence (reorder_cache works on
-        the batch), so this, `crop` and `kv` are exitspec's only reads and writes of a cache layer's `keys`
-        and `values`; test_target checks all three against a plain forward on every transformers it runs on."""
+        the batch), so this and `kv` are exitspec's only reads and writes of a cache layer's `keys` and
+        `values`; test_target checks them and `crop` against a plain forward on every transformers it runs on."""
         m = slots.numel()
         for layer in self.cache.layers:
             for name in ("keys", "values"):
@@ -98,10 +109,8 @@ class TransformersForward:
         self.length = start + m
 
     def crop(self, length: int) -> None:
-        for layer in self.cache.layers:  # DynamicCache.crop takes only negative counts in transformers 5.24
-            if layer.is_initialized:
-                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
         self.length = min(self.length, length)
+        crop_cache(self.cache, self.length)
 
     def kv(self, layer: int) -> tuple[Tensor, Tensor]:
         """The cached keys and values of one layer, [Hkv, length, hd] each."""

@@ -1,5 +1,6 @@
-"""Training-time tree evaluation: one packed target forward equals a separate causal forward at every node the
-exit law reads (the root and each node with children), so the exit law of the trees is the same."""
+"""Training-time tree evaluation: one target forward over every anchor's tree, after the context's cache, equals
+a separate causal forward at every node the exit law reads (the root and each node with children), so the exit
+law of the trees is the same."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from exitspec.build import build_ddtree
 from exitspec.check import random_tree
 from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams, target_probs
+from exitspec.train.dflash_loss import features_and_cache, target_features
 from exitspec.train.tree_eval import build_anchor_trees, evaluate_trees
 from exitspec.tree import DraftTree, TreeBatch
 
@@ -82,6 +84,12 @@ def test_padded_batch_with_dropped_anchors(model):
     ids2 = ids.clone()
     ids2[1, 19:] = 3  # other padding: no tree may see it
     torch.testing.assert_close(evaluate_trees(model, ids2, anchors, trees, params), probs, atol=1e-6, rtol=0)
+    # after the features forward's cache of all 30 positions (padding included): the same, twice from one cache
+    features, cache = features_and_cache(model, ids, torch.tensor([30, 19]), layer_ids=[0, 1])
+    torch.testing.assert_close(features, target_features(model, ids, torch.tensor([30, 19]), [0, 1]))
+    for _ in range(2):
+        torch.testing.assert_close(evaluate_trees(model, ids, anchors, trees, params, cache), probs, atol=1e-5, rtol=0)
+        assert cache.get_seq_length() == 30
     for b in range(2):
         for i in range(3):
             t = b * 3 + i

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams, target_probs
-from exitspec.train.dflash_loss import DFlashObjective, sample_anchors, target_features
+from exitspec.train.dflash_loss import DFlashObjective, features_and_cache, sample_anchors
 from exitspec.train.rollouts import RolloutData
 from exitspec.train.tree_eval import build_anchor_trees, tree_logits
 
@@ -71,13 +71,13 @@ def measure_acceptance(
         keys = data.keys_at(position, 0, count)
         picked, keep = sample_anchors(starts, lengths, anchors, gen)
         ids, lengths, picked, keep = (x.to(device) for x in (ids, lengths, picked, keep))
-        features = target_features(target, ids, lengths, drafter.config.target_layer_ids)  # [B, L, F]
+        features, cache = features_and_cache(target, ids, lengths, drafter.config.target_layer_ids)  # [B, L, F]
         draft_logits = objective.head.expand(objective.draft_logits(ids, features, picked))  # [B, N, H, V]
         kept = keep.flatten()  # [B*N]
         sequence = [key for key in keys for _ in range(keep.shape[1])]  # [B*N]: each tree's rollout id
         for budget in budgets:
             trees = build_anchor_trees(draft_logits, ids.gather(1, picked), keep, budget)  # [B*N, M]
-            logits = tree_logits(target, ids, picked, trees)  # [B*N, M, V]
+            logits = tree_logits(target, ids, picked, trees, cache)  # [B*N, M, V]
             for temperature in temperatures:
                 flow = tree_flow(trees, target_probs(logits, SamplingParams(temperature)), check=False)
                 sums[budget, temperature].add(flow.reach, flow.exit, trees.depths, kept, sequence)

@@ -29,10 +29,11 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.drafters.vocab import DraftHead
+from exitspec.target import cache_argument
 
 
 def position_weights(block_size: int, gamma: float, device=None) -> Tensor:
@@ -108,6 +109,19 @@ def features_and_logits(
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
                 logits_to_keep=logits_to_keep)
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), out.logits
+
+
+@torch.no_grad()
+def features_and_cache(model: PreTrainedModel, ids: Tensor, lengths: Tensor, layer_ids) -> tuple[Tensor, DynamicCache]:
+    """One whole decoder forward (no LM head): the features [B, L, F] of `target_features` and the KV cache of
+    all L positions, from which `tree_eval.tree_logits` scores the anchors' trees without running the context
+    again. The last layers past the deepest tap cost L rows; the context they spare the tree forward costs
+    up to L rows through every layer."""
+    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
+    cache, decoder = DynamicCache(config=model.config), model.get_decoder()
+    out = decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=True,
+                  **{cache_argument(decoder): cache})
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), cache
 
 
 class BlockLoss(NamedTuple):

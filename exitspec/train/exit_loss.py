@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from transformers import DynamicCache
 
 from exitspec.flow import tree_flow
 from exitspec.sampling import SamplingParams
@@ -107,11 +108,13 @@ def train_loss(
     keep: Tensor,
     cfg: ExitConfig,
     soft: tuple[Tensor, Tensor] | None = None,
+    cache: DynamicCache | None = None,
 ) -> TrainLoss:
     """L_tok + λ·L_exit for one batch: the block loss, then one frozen target forward over every anchor's tree.
 
     model: the DFlashObjective, possibly wrapped in DDP (called once, so DDP sees one forward); target: the frozen
-    HF causal LM; ids [B, L], features [B, L, F], lengths [B], anchors / keep [B, N] as for DFlashObjective.
+    HF causal LM; ids [B, L], features [B, L, F], lengths [B], anchors / keep [B, N] as for DFlashObjective;
+    cache: the target's KV cache over ids from the features forward, if it ran one (`features_and_cache`).
     """
     if not cfg.active:
         block = model(ids, features, lengths, anchors, keep, soft)
@@ -120,7 +123,7 @@ def train_loss(
     block = model(ids, features, lengths, anchors, keep, soft)
     full = head.expand(block.logits.detach())  # [B, N, bs−1, V] in token space, for the builder
     trees = build_anchor_trees(full, ids.gather(1, anchors), keep, cfg.budget)  # [B*N, M]
-    probs = evaluate_trees(target, ids, anchors, trees, SamplingParams(cfg.temperature))  # [B*N, M, V]
+    probs = evaluate_trees(target, ids, anchors, trees, SamplingParams(cfg.temperature), cache)  # [B*N, M, V]
     columns = head.columns(trees.tokens).clamp(min=0)  # [B*N, M]: tree tokens are all in the draft vocabulary
     exits = exit_loss(block.logits.flatten(0, 1), trees, probs, cfg.weight, cfg.exclude_horizon_leaves, columns)
     return TrainLoss(block.loss + cfg.lam * exits.loss, block, exits)

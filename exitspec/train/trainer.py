@@ -36,7 +36,13 @@ from exitspec.models import load_model_and_tokenizer, model_name
 from exitspec.train import dist
 from exitspec.train.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from exitspec.train.config import EXIT_FIELDS, ExitConfig, TrainConfig
-from exitspec.train.dflash_loss import BlockLoss, DFlashObjective, sample_anchors, target_features
+from exitspec.train.dflash_loss import (
+    BlockLoss,
+    DFlashObjective,
+    features_and_cache,
+    sample_anchors,
+    target_features,
+)
 from exitspec.train.exit_loss import ExitLoss, TrainLoss, train_loss
 from exitspec.train.features import FeatureStore
 from exitspec.train.heldout import HELDOUT_TOKENS, GreedyCheck, make_heldout
@@ -235,9 +241,11 @@ def _step(run: _Session) -> tuple[float, TrainLoss, int, Tensor]:
     ids, starts, lengths = run.data.batch(run.position, d.rank, cfg.batch_size)
     anchors, keep = sample_anchors(starts, lengths, cfg.anchors, run.anchor_gen)
     ids, lengths, anchors, keep = (t.to(d.device) for t in (ids, lengths, anchors, keep))
-    soft = None
-    if run.store is None:
-        features = target_features(run.target, ids, lengths, run.drafter.config.target_layer_ids)  # [B, L, F]
+    soft, cache, layer_ids = None, None, run.drafter.config.target_layer_ids
+    if run.store is None and cfg.exit_config().active:  # the exit loss's tree forward reuses the context's cache
+        features, cache = features_and_cache(run.target, ids, lengths, layer_ids)  # [B, L, F], L positions
+    elif run.store is None:
+        features = target_features(run.target, ids, lengths, layer_ids)  # [B, L, F]
     else:
         keys = run.data.keys_at(run.position, d.rank, cfg.batch_size)
         features = run.store.batch(keys, lengths, d.device, run.target.dtype)  # [B, L, F]
@@ -246,7 +254,8 @@ def _step(run: _Session) -> tuple[float, TrainLoss, int, Tensor]:
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
-        out = train_loss(run.model, run.target, ids, features, lengths, anchors, keep, cfg.exit_config(), soft)
+        out = train_loss(run.model, run.target, ids, features, lengths, anchors, keep, cfg.exit_config(), soft,
+                         cache)
     run.optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), cfg.grad_clip)

@@ -45,6 +45,7 @@ def timed(module, name: str, part: str) -> None:
 
 
 timed(trainer, "target_features", "target features (forward over the batch)")
+timed(trainer, "features_and_cache", "target features (forward over the batch)")
 timed(trainer, "sample_anchors", "anchors")
 timed(exit_loss, "build_anchor_trees", "tree building (DDTree per anchor)")
 timed(exit_loss, "evaluate_trees", "tree evaluation (one packed target forward, warped)")
