@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from exitspec.paired import paired_cell, paired_difference
+from exitspec.paired import detectable_with, paired_cell, paired_difference
 
 
 def test_only_shared_prompts_are_paired():
@@ -37,3 +37,20 @@ def test_the_bootstrap_interval_matches_the_normal_one_for_many_prompts():
     assert (high - low) / (2 * 1.96 * d["stderr"]) == pytest.approx(1.0, abs=0.1)
     assert d["relative_ci95"][0] < d["relative"] < d["relative_ci95"][1]
     assert paired_cell(d).startswith(f"{d['mean']:+.3f} ± {d['stderr']:.3f} [")
+
+
+def test_the_detectable_change_is_met_with_80_percent_power():
+    """Simulated paired studies at the reported detectable change: about 80% of their intervals exclude 0, and
+    a quarter as many prompts detect only twice the change."""
+    rng = random.Random(1)
+    b = {i: rng.gauss(2.0, 0.4) for i in range(100)}
+    pilot = paired_difference({i: b[i] + rng.gauss(0.0, 0.2) for i in b}, b)
+    assert pilot["detectable"] == pytest.approx(2.8 * pilot["stderr"] / statistics.mean(b.values()))
+    assert detectable_with(pilot, 25) == pytest.approx(2 * pilot["detectable"])
+    gain = pilot["detectable"] * statistics.mean(b.values())
+    found = 0
+    for _ in range(200):
+        a = {i: b[i] + gain + rng.gauss(0.0, 0.2) for i in b}
+        d = paired_difference(a, b)
+        found += d["mean"] - 1.96 * d["stderr"] > 0
+    assert 0.7 < found / 200 < 0.9

@@ -131,15 +131,17 @@ def run_eval_command(args) -> int:
     paired, exits = paired_rows(rows), exit_rows(rows)
     if paired:
         table = Table(title=f"Paired by prompt: {drafter_label(paired[0]['candidate'])} minus each other drafter, "
-                            "E[τ] difference ± s.e. [95% bootstrap interval], relative change [interval]")
-        for col in ("minus", "dataset", "B", "T", "prompts", "difference", "relative"):
+                            "E[τ] difference ± s.e. [95% bootstrap interval], relative change [interval], and the "
+                            "smallest relative change detected (5% two-sided, 80% power)")
+        for col in ("minus", "dataset", "B", "T", "prompts", "difference", "relative", "detects"):
             table.add_column(col, justify="left" if col in ("minus", "dataset") else "right")
         for p in paired:
             relative = f"{100 * p['relative']:+.1f}%"
             if p["relative_ci95"] is not None:
                 relative += " [{:+.1f}%, {:+.1f}%]".format(*(100 * x for x in p["relative_ci95"]))
+            detects = "-" if p["detectable"] is None else f"{100 * p['detectable']:.1f}%"
             table.add_row(drafter_label(p["other"]), p["dataset"], str(p["budget"]), f"{p['temperature']:g}",
-                          str(p["pairs"]), paired_cell(p), relative)
+                          str(p["pairs"]), paired_cell(p), relative, detects)
         console.print(table)
     table = Table(title="Where the target leaves the tree: mean exit mass w by depth, all datasets (depth 0: root)")
     for col in ("drafter", "B", "T", "E[τ]", "w at depth 0, 1, 2, ..."):

@@ -48,7 +48,7 @@ timed(trainer, "target_features", "target features (forward over the batch)")
 timed(trainer, "features_and_cache", "target features (forward over the batch)")
 timed(trainer, "sample_anchors", "anchors")
 timed(exit_loss, "build_anchor_trees", "tree building (DDTree per anchor)")
-timed(exit_loss, "evaluate_trees", "tree evaluation (one packed target forward, warped)")
+timed(exit_loss, "evaluate_trees", "tree evaluation (one target forward over the trees after the cached context, warped)")
 timed(exit_loss, "exit_loss", "exit loss (flow, weights, likelihood)")
 timed(dflash_loss.DFlashObjective, "__call__", "drafter forward + block loss")
 with tempfile.TemporaryDirectory() as run_dir:
