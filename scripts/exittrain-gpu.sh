@@ -58,19 +58,21 @@ timed() {  # timed NAME COMMAND...: runs it, then appends NAME and its seconds t
 }
 
 arm() {  # arm NAME WEIGHT LAM [STOP_AT]: one training run under torchrun, on the shared stream of online chunks
-    [ -f "$RUNS/$1/final/model.safetensors" ] && return
     mkdir -p "$RUNS/$1"
     ln -sfn ../online "$RUNS/$1/online"
     torchrun --standalone --nproc_per_node "$NPROC" -m exitspec train exit --run-dir "$RUNS/$1" --weight "$2" \
         --lam "$3" "${COMMON[@]}" ${4:+--stop-at "$4"} >> "$OUT/$1.log" 2>&1
 }
 
-sweep() {
-    for lam in $LAMS; do timed "sweep-$lam" arm "exit-lam$lam" exit "$lam" "$SWEEP"; done
+sweep() {  # a run already at step SWEEP is skipped
+    local lam
+    for lam in $LAMS; do
+        [ -d "$RUNS/exit-lam$lam/checkpoints/step-$(printf %08d "$SWEEP")" ] ||
+            timed "sweep-$lam" arm "exit-lam$lam" exit "$lam" "$SWEEP"
+    done
 }
 
 sweep_eval() {
-    [ -f "$OUT/sweep/lam.txt" ] && return
     mkdir -p "$OUT/sweep"
     local drafters=() lam
     for lam in $LAMS; do drafters+=("$RUNS/exit-lam$lam/checkpoints/step-$(printf %08d "$SWEEP")/drafter"); done
@@ -89,17 +91,18 @@ print(max(taus, key=lambda lam: sum(taus[lam]) / len(taus[lam])))
 EOF
 }
 
-arms() {
+arms() {  # a finished arm is skipped
     local lam
     lam=$(cat "$OUT/sweep/lam.txt")
-    timed exit arm "exit-lam$lam" exit "$lam"
-    timed none arm none none 0
-    timed prefix arm "prefix-lam$lam" prefix "$lam"
-    timed reach arm reach-lam6.4 reach 6.4
+    finished "exit-lam$lam" || timed exit arm "exit-lam$lam" exit "$lam"
+    finished none || timed none arm none none 0
+    finished "prefix-lam$lam" || timed prefix arm "prefix-lam$lam" prefix "$lam"
+    finished reach-lam6.4 || timed reach arm reach-lam6.4 reach 6.4
 }
 
+finished() { [ -f "$RUNS/$1/final/model.safetensors" ]; }
+
 evaluate() {
-    [ -f "$OUT/eval/heldout.json" ] && return
     local lam
     lam=$(cat "$OUT/sweep/lam.txt")
     mkdir -p "$OUT/eval"
@@ -122,12 +125,15 @@ record() {
     exitspec train curve "${runs[@]}" --out "$OUT/curve.png" > "$OUT/curve.txt"
 }
 
+stage_sweep_eval() { [ -f "$OUT/sweep/lam.txt" ] || timed sweep-eval sweep_eval; }
+stage_eval() { [ -f "$OUT/eval/heldout.json" ] || timed eval evaluate; }
+
 case "${1:-all}" in
     sweep) sweep ;;
-    sweep-eval) timed sweep-eval sweep_eval ;;
+    sweep-eval) stage_sweep_eval ;;
     arms) arms ;;
-    eval) timed eval evaluate ;;
+    eval) stage_eval ;;
     record) record ;;
-    all) sweep; timed sweep-eval sweep_eval; arms; timed eval evaluate; record ;;
+    all) sweep; stage_sweep_eval; arms; stage_eval; record ;;
     *) echo "unknown stage '$1': use sweep, sweep-eval, arms, eval or record" >&2; exit 2 ;;
 esac

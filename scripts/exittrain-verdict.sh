@@ -21,7 +21,7 @@
 # eval:  the init, the control and ExitTrain, paired (ExitTrain minus each), with the exit mass by depth.
 # record: the runs' logs and summaries, and the held-out curves, into the record folder.
 #
-# Every stage appends its wall-clock seconds to $OUT/times.tsv. Checkpoints live in $RUNS (local, not committed).
+# Every stage that runs appends its wall-clock seconds to $OUT/times.tsv; a done stage is skipped. Checkpoints live in $RUNS (local, not committed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-data/exittrain-runs/verdict}
@@ -45,11 +45,12 @@ timed() {  # timed NAME COMMAND...: runs it, then appends NAME and its seconds t
 }
 
 pilot() {
-    if [ ! -f "$OUT/pilot/heldout.json" ]; then
-        mkdir -p "$OUT/pilot"
-        exitspec train eval --drafters dflash-v1 dflash "${EVAL[@]}" --num-prompts "$PILOT_PROMPTS" \
-            --out "$OUT/pilot/heldout.json" > "$OUT/pilot/heldout.txt"
-    fi
+    mkdir -p "$OUT/pilot"
+    exitspec train eval --drafters dflash-v1 dflash "${EVAL[@]}" --num-prompts "$PILOT_PROMPTS" \
+        --out "$OUT/pilot/heldout.json" > "$OUT/pilot/heldout.txt"
+}
+
+power() {  # the pilot's smallest detectable change, at its prompts and at the verdict's
     python - "$OUT/pilot/heldout.json" "$PROMPTS" > "$OUT/pilot/power.txt" <<'EOF'
 import json, sys
 from exitspec.paired import detectable_with
@@ -64,18 +65,16 @@ for p in paired_rows(json.load(open(sys.argv[1]))["rows"]):
 EOF
 }
 
-arm() {  # arm NAME WEIGHT LAM
-    [ -f "$RUNS/$1/final/model.safetensors" ] && return
+arm() {  # arm NAME WEIGHT LAM: one fine-tuning, resumed from its newest checkpoint if it has one
     exitspec train exit --weight "$2" --lam "$3" --run-dir "$RUNS/$1" "${TRAIN[@]}" >> "$OUT/$1.log" 2>&1
 }
 
-arms() {
-    timed none arm none none 0
-    timed exit arm exit exit "$LAM"
+arms() {  # a finished arm is skipped
+    [ -f "$RUNS/none/final/model.safetensors" ] || timed none arm none none 0
+    [ -f "$RUNS/exit/final/model.safetensors" ] || timed exit arm exit exit "$LAM"
 }
 
 evaluate() {
-    [ -f "$OUT/heldout.json" ] && return
     exitspec train eval --drafters dflash "$RUNS/none/final" "$RUNS/exit/final" "${EVAL[@]}" --num-prompts "$PROMPTS" \
         --out "$OUT/heldout.json" --plot "$OUT/exit-by-depth.png" > "$OUT/heldout.txt"
 }
@@ -88,11 +87,14 @@ record() {
     exitspec train curve "$RUNS/none" "$RUNS/exit" --out "$OUT/curve.png" > "$OUT/curve.txt"
 }
 
+stage_pilot() { [ -f "$OUT/pilot/heldout.json" ] || timed pilot pilot; power; }
+stage_eval() { [ -f "$OUT/heldout.json" ] || timed eval evaluate; }
+
 case "${1:-all}" in
-    pilot) timed pilot pilot ;;
+    pilot) stage_pilot ;;
     arms) arms ;;
-    eval) timed eval evaluate ;;
+    eval) stage_eval ;;
     record) record ;;
-    all) timed pilot pilot; arms; timed eval evaluate; record ;;
+    all) stage_pilot; arms; stage_eval; record ;;
     *) echo "unknown stage '$1': use pilot, arms, eval or record" >&2; exit 2 ;;
 esac

@@ -159,9 +159,10 @@ def test_paired_tau_pairs_the_last_drafter_with_each_other_one_by_prompt():
     dflash, none = table["rows"]
     assert dflash["drafter"] == "dflash" and dflash["values"][0] is None
     assert dflash["values"][1] == {"mean": 0.25, "pairs": 2, "stderr": pytest.approx(0.25), "ci95": [0.0, 0.5],
-                                   "relative": pytest.approx(0.1), "relative_ci95": pytest.approx([0.0, 0.25])}
+                                   "relative": pytest.approx(0.1), "relative_ci95": pytest.approx([0.0, 0.25]),
+                                   "detectable": pytest.approx(2.8 * 0.25 / 2.5)}
     assert none["values"][1] == {"mean": 0.0, "pairs": 1, "stderr": None, "ci95": None, "relative": 0.0,
-                                 "relative_ci95": None}
+                                 "relative_ci95": None, "detectable": None}
     assert paired_tau_markdown(table) == [
         "| minus | T=0 B32 predraw | T=0 B32 tev |", "|---|---|---|",
         "| dflash | - | +0.250 ± 0.250 [+0.000, +0.500] |", "| none | - | +0.000 |"]

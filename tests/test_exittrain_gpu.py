@@ -49,3 +49,7 @@ def test_the_gpu_recipe_runs_every_stage_at_tiny_sizes(tmp_path):
     stages = [line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()]
     assert stages == ["sweep-1", "sweep-4", "sweep-eval", "exit", "none", "prefix", "reach", "eval"]
     assert (out / "curve.png").stat().st_size > 0 and (out / "eval" / "exit-by-depth.png").stat().st_size > 0
+    again = subprocess.run(["bash", str(ROOT / "scripts/exittrain-gpu.sh")], capture_output=True, text=True,
+                           check=False, cwd=ROOT, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len((out / "times.tsv").read_text().splitlines()) == len(stages)  # a rerun skips every finished stage
