@@ -11,8 +11,10 @@ at least d draft tokens: where it falls off is where acceptance collapses.
 Anchors are spread over the response positions (teacher forcing along the target's continuation), where a
 decode weights the positions at which rounds happen to start; the two agree when the drafter's quality does
 not depend on the position. `exitspec train eval` uses the target's greedy responses as contexts for every
-temperature (a sampled decode at T > 0 would wander off them a little). No timing is involved, so the estimate has no machine noise, and it is cheap: one
-drafter forward and one target forward per batch and budget, for all temperatures at once.
+temperature (a sampled decode at T > 0 would wander off them a little). No timing is involved, so the estimate
+has no machine noise, and it is cheap: per batch one target forward (the drafter's features and the context's
+KV cache), one drafter forward, and per budget one target forward over the trees after that cache, for all
+temperatures at once.
 """
 
 from __future__ import annotations
