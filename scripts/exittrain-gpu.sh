@@ -51,11 +51,7 @@ COMMON=("${MODEL_ARGS[@]}" --init "$INIT" --online "${ONLINE:-64}" --online-temp
 EVAL=("${MODEL_ARGS[@]}" --temperatures 0 1 --anchors 16 --no-progress)
 mkdir -p "$OUT" "$RUNS/online"
 
-timed() {  # timed NAME COMMAND...: runs it, then appends NAME and its seconds to times.tsv
-    local start=$SECONDS
-    "${@:2}"
-    printf '%s\t%s\n' "$1" $((SECONDS - start)) >> "$OUT/times.tsv"
-}
+source scripts/timed.sh
 
 arm() {  # arm NAME WEIGHT LAM [STOP_AT]: one training run under torchrun, on the shared stream of online chunks
     mkdir -p "$RUNS/$1"

@@ -38,11 +38,7 @@ TRAIN=(--init "$INIT" --rollouts data/rollouts/smollm2-135m-instruct --budget 32
        --eval-dir runs/heldout --threads "$THREADS" --no-progress)
 mkdir -p "$OUT"
 
-timed() {  # timed NAME COMMAND...: runs it, then appends NAME and its seconds to times.tsv
-    local start=$SECONDS
-    "${@:2}"
-    printf '%s\t%s\n' "$1" $((SECONDS - start)) >> "$OUT/times.tsv"
-}
+source scripts/timed.sh
 
 pilot() {
     mkdir -p "$OUT/pilot"
