@@ -306,12 +306,12 @@ class LeanLlama:
         capacity = 0 if self.keys is None else self.values.shape[2]
         if end <= capacity:
             return
-        shape = (len(self.layers), self.kv_heads, max(end, 2 * capacity, 256), self.head_dim)
+        size = max(end, 2 * capacity, 256)
+        shape = (len(self.layers), self.kv_heads, size, self.head_dim)
+        key_shape = (len(self.layers), self.kv_heads, self.head_dim, size) if self.invariant else shape
         dtype = torch.float32 if self.invariant else self.dtype
         values = torch.empty(shape, dtype=dtype, device=self.device)
-        keys = torch.empty(shape, dtype=dtype, device=self.device)
-        if self.invariant:
-            keys = keys.transpose(2, 3).contiguous()  # [layers, Hkv, hd, capacity]
+        keys = torch.empty(key_shape, dtype=dtype, device=self.device)  # transposed under the kernel
         if self.length:
             self._keys(keys)[:, :, : self.length] = self._keys()[:, :, : self.length]
             values[:, :, : self.length] = self.values[:, :, : self.length]
