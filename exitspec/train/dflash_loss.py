@@ -62,6 +62,11 @@ def sample_anchors(starts: Tensor, lengths: Tensor, n: int, generator: torch.Gen
     return anchors.masked_fill(~keep, 0), keep
 
 
+def real_tokens(ids: Tensor, lengths: Tensor) -> Tensor:
+    """[B, L] bool: the positions of ids [B, L] before each row's length (right padding after)."""
+    return torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]
+
+
 class _StopForward(Exception):
     """Raised by a forward hook once the deepest feature layer has run: later layers are not needed."""
 
@@ -77,7 +82,7 @@ def target_features(model: PreTrainedModel, ids: Tensor, lengths: Tensor, layer_
     decoder, deepest = model.get_decoder(), max(layer_ids)
     if deepest >= len(decoder.layers) - 1:
         return features_and_logits(model, ids, lengths, layer_ids, logits_to_keep=1)[0]
-    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
+    mask = real_tokens(ids, lengths).long()  # [B, L]: HF's padding mask
     taps: dict[int, Tensor] = {}
 
     def tap(i: int):
@@ -105,7 +110,7 @@ def features_and_logits(
 ) -> tuple[Tensor, Tensor]:
     """One whole target forward: the features [B, L, F] of `target_features` and the logits [B, r, V] of the last
     r = logits_to_keep positions (0: all L)."""
-    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
+    mask = real_tokens(ids, lengths).long()  # [B, L]: HF's padding mask
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
                 logits_to_keep=logits_to_keep)
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), out.logits
@@ -117,7 +122,7 @@ def features_and_cache(model: PreTrainedModel, ids: Tensor, lengths: Tensor, lay
     all L positions, from which `tree_eval.tree_logits` scores the anchors' trees without running the context
     again. The last layers past the deepest tap cost L rows; the context they spare the tree forward costs
     up to L rows through every layer."""
-    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()  # [B, L]
+    mask = real_tokens(ids, lengths).long()  # [B, L]: HF's padding mask
     cache, decoder = DynamicCache(config=model.config), model.get_decoder()
     out = decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=True,
                   **{cache_argument(decoder): cache})

@@ -40,6 +40,7 @@ from exitspec.train.dflash_loss import (
     BlockLoss,
     DFlashObjective,
     features_and_cache,
+    real_tokens,
     sample_anchors,
     target_features,
 )
@@ -230,7 +231,7 @@ def _resume(run: _Session) -> None:
         ids, _, lengths = run.data.batch(0, 0, cfg.batch_size)
         ids, lengths = ids.to(d.device), lengths.to(d.device)
         features = target_features(run.target, ids, lengths, run.drafter.config.target_layer_ids)  # [B, L, F]
-        real = torch.arange(ids.shape[1], device=d.device) < lengths[:, None]  # [B, L]
+        real = real_tokens(ids, lengths)  # [B, L]
         real[:, 0] = False  # the first token is an attention sink with a huge norm
         run.drafter.calibrate_fc(features[real])
 
