@@ -248,6 +248,8 @@ def _add_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default="exitspec-inspect.png", help="PNG path ('' for no plot)")
     p.add_argument("--plot-round", type=integer(0), default=0, help="the round whose tree is drawn")
     p.add_argument("--no-chat", action="store_true", help="encode the prompt as plain text, no chat template")
+    p.add_argument("--oracle", action="store_true", help="also find each round's best tree of every size up to the "
+                   "budget (one target forward a node) and the speed-up it would bound")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -11,13 +11,26 @@ and reported: τ, C_p, the exit mass w at the root and summed per depth, and the
 their root-to-node draft text. A PNG shows one round's tree coloured by w(v) (x = depth, y = sibling order)
 and the exit mass per depth across rounds; `--json` prints everything (trees included) as one object.
 
+`--oracle` measures how far each tree is from the best one possible. The best tree of N nodes for the round's
+context holds the N sequences of largest P(u) (P falls along every path, so they form a prefix-closed tree);
+best-first search over the target itself finds it, one target forward a node (`best_tree`). Its coverage
+C*_p(N) bounds every drafter's at that size, so 1 + C*_p(N) bounds E[τ] of any exact verifier on any tree of
+N nodes (Eq. 5), and with the target stage's measured cost t(N) (budget.CostModel) the best round gives
+
+    SR* = Σ_rounds (1 + C*_p(N_r)) · t(0) / Σ_rounds t(N_r),   N_r = argmax_N (1 + C*_p(N)) / t(N),
+
+a ceiling on the speed-up of tree speculation with a free drafter over the one-token step t(0).
+
     exitspec inspect "Write a haiku about the sea." --rounds 8 --budget 32 --plot inspect.png
     exitspec inspect "5 6 7 5 6" --ids --model tiny_folder --drafter ngram --json
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +44,9 @@ from exitspec.app import check_budgets, load_decoders
 from exitspec.decode import RoundTrace, SpeculativeDecoder
 from exitspec.drafters import default_drafter
 from exitspec.flow import TreeFlow, tree_flow
-from exitspec.sampling import SamplingParams
+from exitspec.sampling import SamplingParams, target_probs
 from exitspec.settings import budget_cap
+from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 from exitspec.verify import check_verifier
 
@@ -43,6 +57,7 @@ class RoundExit:
     flow: TreeFlow  # the exit law on the warped target distribution, float64, on the CPU
     path: list[int]  # accepted nodes, root excluded
     bonus: int | None  # the bonus token (None when a stop token or the limit cut the block)
+    tokens: list[int]  # what this round added to the output
 
     @property
     def exit_by_depth(self) -> list[float]:
@@ -80,12 +95,70 @@ def inspect_rounds(
     for t in traces:
         tree = t.tree.to("cpu")
         bonus = t.verdict.bonus if t.emitted > len(t.verdict.path) else None
-        exits.append(RoundExit(tree, tree_flow(tree, t.probs.double().cpu()), t.verdict.path, bonus))
+        exits.append(RoundExit(tree, tree_flow(tree, t.probs.double().cpu()), t.verdict.path, bonus,
+                               t.verdict.output_tokens(t.tree)[: t.emitted]))
     return result.prompt_ids, exits, result.tokens
 
 
-def describe(rounds: list[RoundExit], tokenizer, top: int = 5) -> list[dict]:
-    """JSON-able per-round records: τ, C_p, exit mass by depth, the `top` most-exited nodes, the whole tree."""
+@torch.inference_mode()
+def best_tree(target: TargetModel, root: int, budget: int, params: SamplingParams) -> DraftTree:
+    """The tree of `budget` draft tokens with the largest coverage C_p after the target's cache + `root`, found
+    best-first over the target's own warped distribution (one `forward_tree` per node, discarded after it):
+    nodes in order of decreasing P(u), so its head of N nodes is the best tree of N (`head`). scores = P(u)."""
+    parents, tokens, depths, reach = [-1], [root], [0], [1.0]
+    frontier: list[tuple[float, int, int]] = []  # (−P(child), parent, token)
+    while True:
+        tree = DraftTree.from_lists(parents, tokens, depths, reach, device=target.device)
+        if len(tokens) > budget:
+            return tree
+        logits = target.forward_tree(tree, logits_to_keep=1).logits  # [1, V]: the newest node's row
+        target.discard()
+        probs, children = target_probs(logits.float(), params)[0].topk(budget + 1 - len(tokens))
+        node = len(tokens) - 1
+        for p, x in zip(probs.tolist(), children.tolist()):
+            if p > 0:
+                heapq.heappush(frontier, (-reach[node] * p, node, x))
+        if not frontier:
+            return tree
+        minus_p, parent, token = heapq.heappop(frontier)
+        parents.append(parent)
+        tokens.append(token)
+        depths.append(depths[parent] + 1)
+        reach.append(-minus_p)
+
+
+def best_coverages(
+    target: TargetModel, prompt_ids: list[int], rounds: list[RoundExit], budget: int, params: SamplingParams
+) -> list[list[float]]:
+    """Per round, C*_p(N) for N = 0..budget: the coverage of the best tree of N nodes for that round's context
+    (prompt + everything emitted before it). Runs the rounds' contexts through the target's cache again."""
+    target.reset()
+    target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
+    context, out = list(prompt_ids), []
+    for rnd in rounds:
+        reach = best_tree(target, context[-1], budget, params).scores[1:]
+        out.append([0.0, *itertools.accumulate(reach)])
+        context.extend(rnd.tokens)
+        target.forward_tokens(torch.tensor(context[-1 - len(rnd.tokens) : -1], device=target.device), 1)
+    return out
+
+
+def ceiling(best: list[list[float]], cost: Callable[[int], float]) -> dict:
+    """The best trees' bounds over rounds (module docstring): mean C*_p at the full budget, and SR*, the speed-up
+    over the one-token step t(0) of rounds that each keep the best tree of their most profitable size."""
+    sizes = [max(range(len(c)), key=lambda n: (1 + c[n]) / cost(n)) for c in best]
+    tokens = sum(1 + c[n] for c, n in zip(best, sizes))
+    seconds = sum(cost(n) for n in sizes)
+    return {
+        "mean_best_coverage": sum(c[-1] for c in best) / max(len(best), 1),
+        "best_speedup": tokens / seconds * cost(0) if best else 0.0,
+        "best_sizes": sizes,
+    }
+
+
+def describe(rounds: list[RoundExit], tokenizer, top: int = 5, best: list[list[float]] | None = None) -> list[dict]:
+    """JSON-able per-round records: τ, C_p, exit mass by depth, the `top` most-exited nodes, the whole tree; with
+    `best` (`best_coverages`), the best tree's C*_p at the round's size and at the full budget."""
     out = []
     for r, rnd in enumerate(rounds):
         tree, flow = rnd.tree, rnd.flow
@@ -126,6 +199,8 @@ def describe(rounds: list[RoundExit], tokenizer, top: int = 5) -> list[dict]:
                 },
             }
         )
+        if best is not None:
+            out[-1] |= {"best_coverage_same_size": best[r][tree.num_nodes], "best_coverage": best[r][-1]}
     return out
 
 
@@ -134,12 +209,15 @@ def summarize(records: list[dict]) -> dict:
     n = max(len(records), 1)
     depth = max((len(r["exit_by_depth"]) for r in records), default=0)
     by_depth = [sum(r["exit_by_depth"][d] for r in records if d < len(r["exit_by_depth"])) / n for d in range(depth)]
-    return {
+    summary = {
         "rounds": len(records),
         "tau": sum(r["tau"] for r in records) / n,
         "mean_coverage": sum(r["coverage"] for r in records) / n,
         "mean_exit_by_depth": by_depth,
     }
+    if records and "best_coverage" in records[0]:
+        summary["mean_best_coverage_same_size"] = sum(r["best_coverage_same_size"] for r in records) / n
+    return summary
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -239,14 +317,17 @@ def run(args) -> int:
     if args.plot_round >= len(rounds):
         raise ValueError(f"--plot-round {args.plot_round} is not one of the {len(rounds)} rounds")
     tokenizer = decoder.target.tokenizer
-    records = describe(rounds, tokenizer, args.top)
+    cap = budget_cap(args.budget)
+    best = best_coverages(decoder.target, prompt_ids, rounds, cap, params) if args.oracle else None
+    records = describe(rounds, tokenizer, args.top, best)
     if args.plot:
         plot_rounds(rounds, records, args.plot, args.plot_round)
-    summary = summarize(records)
+    summary = summarize(records) | (ceiling(best, decoder.calibrate(cap)) if best is not None else {})
     if not args.json:
         print(_report(records, summary, args.plot))
         return 0
-    keys = ("model", "drafter", "budget", "temperature", "top_p", "top_k", "verifier", "seed", "device", "dtype")
+    keys = ("model", "drafter", "budget", "temperature", "top_p", "top_k", "verifier", "seed", "device", "dtype",
+            "oracle")
     print(json.dumps({
         "prompt": args.prompt, "prompt_ids": prompt_ids, "token_ids": tokens, "text": _text(tokenizer, tokens),
         "settings": {k: getattr(args, k) for k in keys}, "rounds": records, "summary": summary,
@@ -270,6 +351,9 @@ def _report(records: list[dict], summary: dict, plot: str) -> str:
             f"round {r['round']}: N={r['tree_size']} depth {r['depth']}  τ={r['tau']}  C_p={r['coverage']:.3f}  "
             f"exit at root {r['exit_root']:.3f}  | exit mass by depth: {depths}"
         )
+        if "best_coverage" in r:
+            lines.append(f"   best tree: C*_p {r['best_coverage_same_size']:.3f} at N={r['tree_size']}, "
+                         f"{r['best_coverage']:.3f} at the full budget")
         for e in r["top_exits"]:
             mark = "✓" if e["accepted"] else " "
             lines.append(
@@ -282,6 +366,14 @@ def _report(records: list[dict], summary: dict, plot: str) -> str:
         f"(E[τ] = 1 + C_p = {1 + summary['mean_coverage']:.2f}); mean exit mass by depth: {mean}"
         "\n(✓: on the accepted path; w = P·rho is where a target sample leaves the tree)"
     )
+    if "best_speedup" in summary:
+        same = summary["mean_best_coverage_same_size"]
+        lines.append(
+            f"best trees (the target's own, best-first): mean C*_p {same:.2f} at the rounds' sizes (the drafter "
+            f"reaches {summary['mean_coverage'] / same if same else 1:.0%} of it), {summary['mean_best_coverage']:.2f} "
+            f"at the full budget; SR* {summary['best_speedup']:.2f}× (a free drafter, each round the best tree of "
+            "its most profitable size, over the one-token step)"
+        )
     if plot:
         lines.append(f"plot: {plot}")
     return "\n".join(lines)

@@ -13,8 +13,9 @@ from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters import load_drafter
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.flow import tree_flow
-from exitspec.inspect import tree_layout
+from exitspec.inspect import best_tree, tree_layout
 from exitspec.models import load_model_and_tokenizer
+from exitspec.sampling import SamplingParams
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 
@@ -87,6 +88,52 @@ def test_text_report_and_plot_with_the_ngram_drafter(folders, capsys):
     out = capsys.readouterr().out
     assert "round 0: N=" in out and "round 2: N=" in out and "(root)" in out and "mean τ" in out
     assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_best_tree_holds_the_most_probable_sequences(folders):
+    """Optimality, checked independently: every node's P(u) from separate causal forwards, and no sequence left
+    out has a larger P than the least node kept (P falls along paths, so checking the tree's children suffices)."""
+    model, _ = load_model_and_tokenizer(folders / "model")
+    target, params = TargetModel(model), SamplingParams(TEMPERATURE)
+    context = [int(t) for t in PROMPT.split()]
+    target.prefill(torch.tensor(context[:-1]))
+    tree = best_tree(target, context[-1], 7, params)
+    assert tree.num_nodes == 7 and target.cache_len == len(context) - 1
+    reach = list(tree.scores)
+    assert reach[1:] == sorted(reach[1:], reverse=True)
+    with torch.no_grad():
+        probs = torch.stack([
+            torch.softmax(model(input_ids=torch.tensor([context[:-1] + tree.tokens[[0, *tree.path(u)]].tolist()]))
+                          .logits[0, -1].double() / TEMPERATURE, dim=-1)
+            for u in range(tree.size)
+        ])  # fmt: skip  # [N+1, V]: p_u
+    for u in range(1, tree.size):
+        parent = tree.parent_list[u]
+        assert reach[u] == pytest.approx(reach[parent] * float(probs[parent, tree.token_list[u]]), rel=1e-4)
+    left_out = [reach[u] * float(probs[u, x]) for u in range(tree.size) for x in range(probs.shape[1])
+                if x not in [tree.token_list[c] for c in tree.children[u]]]  # fmt: skip
+    assert max(left_out) <= min(reach[1:]) * (1 + 1e-4)
+
+
+def test_oracle_report_bounds_every_round(folders, capsys):
+    argv = [PROMPT, "--ids", "--model", str(folders / "model"), "--drafter", "ngram", "--rounds", "4", "--budget",
+            "6", "--temperature", str(TEMPERATURE), "--oracle", "--plot", "", "--json"]  # fmt: skip
+    assert main(["inspect", *argv]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for r in out["rounds"]:
+        assert r["coverage"] <= r["best_coverage_same_size"] + 1e-5 <= r["best_coverage"] + 2e-5
+    summary = out["summary"]
+    assert summary["best_speedup"] > 0 and len(summary["best_sizes"]) == len(out["rounds"])
+    # each round's bound is the best tree after that round's own context (the cache advanced correctly)
+    model, _ = load_model_and_tokenizer(folders / "model")
+    target, context = TargetModel(model), out["prompt_ids"] + out["token_ids"]
+    emitted = [r["accepted"] + 1 for r in out["rounds"]]
+    for r, rnd in enumerate(out["rounds"]):
+        target.reset()
+        end = len(out["prompt_ids"]) + sum(emitted[:r])
+        target.prefill(torch.tensor(context[: end - 1]))
+        tree = best_tree(target, context[end - 1], 6, SamplingParams(TEMPERATURE))
+        assert rnd["best_coverage"] == pytest.approx(sum(tree.scores[1:]), rel=1e-4)
 
 
 def test_errors_are_clear(folders, capsys):
