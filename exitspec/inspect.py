@@ -136,7 +136,8 @@ def best_coverages(
     target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
     context, out = list(prompt_ids), []
     for rnd in rounds:
-        reach = best_tree(target, context[-1], budget, params).scores[1:]
+        reach = list(best_tree(target, context[-1], budget, params).scores[1:])
+        reach += [0.0] * (budget - len(reach))  # a warp (top-k, top-p, T = 0) may leave fewer sequences than B
         out.append([0.0, *itertools.accumulate(reach)])
         context.extend(rnd.tokens)
         target.forward_tokens(torch.tensor(context[-1 - len(rnd.tokens) : -1], device=target.device), 1)
