@@ -19,10 +19,10 @@ import exitspec
 
 exitspec.setup_cpu()
 
-from exitspec.app import load_decoders  # noqa: E402
-from exitspec.data import load_dataset  # noqa: E402
-from exitspec.inspect import best_coverages, ceiling, describe, inspect_rounds, summarize  # noqa: E402
-from exitspec.sampling import SamplingParams  # noqa: E402
+from exitspec.app import load_decoders
+from exitspec.data import load_dataset
+from exitspec.inspect import best_coverages, ceiling, describe, inspect_rounds, summarize
+from exitspec.sampling import SamplingParams
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
                                               temperature=args.temperature, seed=args.seed).text
                        for t in range(sample.context_turns)]
             prompt = sample.prompt(sample.context_turns, context)
-            prompt_ids, rounds, tokens = inspect_rounds(
+            prompt_ids, rounds, _ = inspect_rounds(
                 decoder, prompt, args.rounds, f"auto:{args.budget}", params, seed=args.seed)
             rounds = rounds[: args.rounds]
             best = best_coverages(decoder.target, prompt_ids, rounds, args.budget, params)
