@@ -75,12 +75,14 @@ def inspect_rounds(
     verifier: str = "tev",
     seed: int = 0,
     chat: bool = True,
+    max_new_tokens: int | None = None,
 ) -> tuple[list[int], list[RoundExit], list[int]]:
-    """Decodes `rounds` rounds → (prompt ids, per-round exit laws, generated tokens)."""
+    """Decodes `rounds` rounds (fewer where `max_new_tokens` binds first) → (prompt ids, per-round exit laws,
+    generated tokens)."""
     traces: list[RoundTrace] = []
     result = decoder.generate(
         prompt,
-        max_new_tokens=rounds * (budget_cap(budget) + 1),  # never binds before max_rounds: a round emits <= budget + 1 tokens
+        max_new_tokens=max_new_tokens or rounds * (budget_cap(budget) + 1),  # by default never binds: a round emits <= budget + 1 tokens
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,

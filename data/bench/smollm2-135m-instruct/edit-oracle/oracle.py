@@ -9,6 +9,9 @@ the autoregressive loop at the same temperature and seed, as `exitspec bench` do
 
     python data/bench/smollm2-135m-instruct/edit-oracle/oracle.py --sets humaneval-edit gsm8k-rewrite \\
         mtbench-revise --num-prompts 8 --rounds 48 --out data/bench/smollm2-135m-instruct/edit-oracle/edit.json
+
+Each answer ends at --rounds rounds or --max-new-tokens tokens (256, as in `bench --preset edit`), whichever
+comes first; the context turn is answered up to --max-new-tokens.
 """
 
 import argparse
@@ -46,13 +49,14 @@ def main() -> None:
         answers = []
         for sample in samples[: args.num_prompts]:
             start = time.time()
-            context = [decoder.autoregressive(sample.prompt(t, []), max_new_tokens=args.max_new_tokens,
-                                              temperature=args.temperature, seed=args.seed).text
-                       for t in range(sample.context_turns)]
+            context: list[str] = []
+            for turn in range(sample.context_turns):
+                context.append(decoder.autoregressive(sample.prompt(turn, context), max_new_tokens=args.max_new_tokens,
+                                                      temperature=args.temperature, seed=args.seed).text)
             prompt = sample.prompt(sample.context_turns, context)
             prompt_ids, rounds, _ = inspect_rounds(
-                decoder, prompt, args.rounds, f"auto:{args.budget}", params, seed=args.seed)
-            rounds = rounds[: args.rounds]
+                decoder, prompt, args.rounds, f"auto:{args.budget}", params, seed=args.seed,
+                max_new_tokens=args.max_new_tokens)
             best = best_coverages(decoder.target, prompt_ids, rounds, args.budget, params)
             records = describe(rounds, decoder.target.tokenizer, top=1, best=best)
             sizes = [r["tree_size"] for r in records]
