@@ -12,3 +12,8 @@ python $R/oracle.py --sets mtbench humaneval gsm8k math500 --num-prompts 4 --out
 # forwards of N = 32; the most profitable size is 5 at the median)
 python $R/oracle.py --sets humaneval-edit gsm8k-rewrite mtbench-revise --num-prompts 8 --rounds 100000 \
     --budget 16 --out $R/edit-full.json 2>&1 | grep -v Warning > $R/edit-full.txt
+# Which source falls short, and where (fixed trees of 5 nodes; a few minutes each)
+python $R/sources.py 5 2>&1 | grep -v Warning > $R/sources.txt
+python $R/shape.py 2>&1 | grep -v Warning > $R/shape.txt
+python $R/report.py edit.json table1.json > $R/table.md
+python $R/report.py edit-full.json --cost-from edit.json --plot oracle-full.png > $R/table-full.md
