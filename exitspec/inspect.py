@@ -106,9 +106,11 @@ def inspect_rounds(
 def best_tree(target: TargetModel, root: int, budget: int, params: SamplingParams) -> DraftTree:
     """The tree of `budget` draft tokens with the largest coverage C_p after the target's cache + `root`, found
     best-first over the target's own warped distribution (one `forward_tree` per node, discarded after it):
-    nodes in order of decreasing P(u), so its head of N nodes is the best tree of N (`head`). scores = P(u)."""
+    nodes in order of decreasing P(u), so its head of N nodes is the best tree of N (`head`). scores = P(u).
+    No node lies deeper than the model's context leaves room for."""
     parents, tokens, depths, reach = [-1], [root], [0], [1.0]
     frontier: list[tuple[float, int, int]] = []  # (−P(child), parent, token)
+    deepest = target.max_context - target.cache_len - 1  # a tree of depth d takes d + 1 positions after the cache
     while True:
         tree = DraftTree.from_lists(parents, tokens, depths, reach, device=target.device)
         if len(tokens) > budget:
@@ -118,7 +120,7 @@ def best_tree(target: TargetModel, root: int, budget: int, params: SamplingParam
         probs, children = target_probs(logits.float(), params)[0].topk(budget + 1 - len(tokens))
         node = len(tokens) - 1
         for p, x in zip(probs.tolist(), children.tolist()):
-            if p > 0:
+            if p > 0 and depths[node] < deepest:
                 heapq.heappush(frontier, (-reach[node] * p, node, x))
         if not frontier:
             return tree

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import save_tiny_llama
+from tiny_models import save_tiny_llama, tiny_llama
 
 from exitspec.cli import main
 from exitspec.decode import SpeculativeDecoder
@@ -113,6 +113,14 @@ def test_best_tree_holds_the_most_probable_sequences(folders):
     left_out = [reach[u] * float(probs[u, x]) for u in range(tree.size) for x in range(probs.shape[1])
                 if x not in [tree.token_list[c] for c in tree.children[u]]]  # fmt: skip
     assert max(left_out) <= min(reach[1:]) * (1 + 1e-4)
+
+
+def test_best_tree_stays_inside_the_context():
+    for context, depth in [(64, 4), (12, 2)]:  # a peaked warp: without the limit the best tree is 4 deep
+        target = TargetModel(tiny_llama(max_position_embeddings=context))
+        target.prefill(torch.arange(1, 10))  # 9 cached tokens: in 12 positions, a root and 2 levels fit
+        tree = best_tree(target, 10, 6, SamplingParams(0.15))
+        assert tree.num_nodes == 6 and tree.depth == depth
 
 
 def test_oracle_report_bounds_every_round(folders, capsys):
