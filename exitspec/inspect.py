@@ -30,7 +30,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +40,7 @@ from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
 from exitspec.app import check_budgets, load_decoders
+from exitspec.budget import CostModel, best_size
 from exitspec.decode import RoundTrace, SpeculativeDecoder
 from exitspec.drafters import default_drafter
 from exitspec.flow import TreeFlow, tree_flow
@@ -148,10 +148,12 @@ def best_coverages(
     return out
 
 
-def ceiling(best: list[list[float]], cost: Callable[[int], float]) -> dict:
+def ceiling(best: list[list[float]], cost: CostModel) -> dict:
     """The best trees' bounds over rounds (module docstring): mean C*_p at the full budget, and SR*, the speed-up
-    over the one-token step t(0) of rounds that each keep the best tree of their most profitable size."""
-    sizes = [max(range(len(c)), key=lambda n: (1 + c[n]) / cost(n)) for c in best]
+    over the one-token step t(0) of rounds that each keep the best tree of their most profitable size (the size
+    `--budget auto` would pick, `budget.best_size`, were its estimates the true P(u) and drafting free)."""
+    reach = [[1.0, *(b - a for a, b in itertools.pairwise(c))] for c in best]  # P(u) in best-first order, root first
+    sizes = [best_size(r, cost, 0.0, len(r) - 1) for r in reach]
     tokens = sum(1 + c[n] for c, n in zip(best, sizes))
     seconds = sum(cost(n) for n in sizes)
     return {
