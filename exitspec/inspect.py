@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -131,20 +132,29 @@ def best_tree(target: TargetModel, root: int, budget: int, params: SamplingParam
         reach.append(-minus_p)
 
 
+def best_trees(
+    target: TargetModel, prompt_ids: list[int], rounds: list[RoundExit], budget: int, params: SamplingParams
+) -> Iterator[DraftTree]:
+    """Per round, the best tree of `budget` nodes (`best_tree`) for that round's context (prompt + everything
+    emitted before it): runs the rounds' contexts through the target's cache again."""
+    target.reset()
+    target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
+    context = list(prompt_ids)
+    for rnd in rounds:
+        yield best_tree(target, context[-1], budget, params)
+        context.extend(rnd.tokens)
+        target.forward_tokens(torch.tensor(context[-1 - len(rnd.tokens) : -1], device=target.device), 1)
+
+
 def best_coverages(
     target: TargetModel, prompt_ids: list[int], rounds: list[RoundExit], budget: int, params: SamplingParams
 ) -> list[list[float]]:
-    """Per round, C*_p(N) for N = 0..budget: the coverage of the best tree of N nodes for that round's context
-    (prompt + everything emitted before it). Runs the rounds' contexts through the target's cache again."""
-    target.reset()
-    target.prefill(torch.tensor(prompt_ids[:-1], device=target.device))
-    context, out = list(prompt_ids), []
-    for rnd in rounds:
-        reach = list(best_tree(target, context[-1], budget, params).scores[1:])
+    """Per round, C*_p(N) for N = 0..budget: the coverage of the best tree of N nodes for that round's context."""
+    out = []
+    for tree in best_trees(target, prompt_ids, rounds, budget, params):
+        reach = list(tree.scores[1:])
         reach += [0.0] * (budget - len(reach))  # a warp (top-k, top-p, T = 0) may leave fewer sequences than B
         out.append([0.0, *itertools.accumulate(reach)])
-        context.extend(rnd.tokens)
-        target.forward_tokens(torch.tensor(context[-1 - len(rnd.tokens) : -1], device=target.device), 1)
     return out
 
 

@@ -12,7 +12,7 @@ import exitspec
 exitspec.setup_cpu()
 from exitspec.app import load_decoders
 from exitspec.data import load_dataset
-from exitspec.inspect import best_tree, inspect_rounds
+from exitspec.inspect import best_trees, inspect_rounds
 from exitspec.sampling import SamplingParams
 
 dec = load_decoders(None, ["dflash"], "cpu", "auto", 2, "auto", warm_start=False, learn=False)["dflash"]
@@ -30,12 +30,7 @@ for variant in ("model", "cheap"):
         n = 0
         for s in samples[:3]:
             pids, rounds, _ = inspect_rounds(dec, s.prompt(0), 30, N, params, seed=0)
-            t = dec.target
-            t.reset()
-            t.prefill(torch.tensor(pids[:-1]))
-            ctx = list(pids)
-            for rnd in rounds:
-                bt = best_tree(t, ctx[-1], N, params)
+            for rnd, bt in zip(rounds, best_trees(dec.target, pids, rounds, N, params)):
                 for u in range(1, bt.size):
                     bd[int(bt.depths[u])] += bt.scores[u]
                     bw[int(bt.depths[u])] += 1
@@ -44,8 +39,6 @@ for variant in ("model", "cheap"):
                     dd[int(tr.depths[u])] += float(rnd.flow.reach[u])
                     dw[int(tr.depths[u])] += 1
                 n += 1
-                ctx.extend(rnd.tokens)
-                t.forward_tokens(torch.tensor(ctx[-1 - len(rnd.tokens) : -1]), 1)
         print(
             variant,
             name,
