@@ -20,39 +20,22 @@ scalar versions). A one-token step lays out the same keys in the same order in i
 same bits. Together with products that are invariant in the row count (lean.LeanLlama.linear runs bf16 products
 on 2 rows or more) a tree's logits equal the one-token steps' bit for bit (tests/test_attention.py).
 
-The extension is compiled on first use (torch.utils.cpp_extension; ~30 s, cached under torch's extensions folder,
-one build per version of the source) for the CPU at hand (-march=native: the same machine runs both sides of
-every comparison).
+The extension is compiled on first use (extensions.py; ~30 s, cached under torch's extensions folder, one build
+per version of the source).
 """
 
 from __future__ import annotations
 
-import hashlib
-from functools import cache
-from pathlib import Path
-
 from torch import Tensor
 
-SOURCE = Path(__file__).parent / "csrc" / "invariant_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
-DIGEST = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]  # one build per version of the source
-IDENTITY = f"invariant:{DIGEST}"  # in forward configs and cost caches
+from exitspec.extensions import build, digest
+
+IDENTITY = f"invariant:{digest('invariant_attention.cpp')}"  # in forward configs and cost caches
 
 
-@cache
 def kernel():
-    """The compiled extension; one line naming the remedy where it cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    try:
-        return load(name=f"exitspec_attention_{DIGEST}", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                    extra_ldflags=["-fopenmp"])
-    except (OSError, RuntimeError, ImportError) as error:
-        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-        raise RuntimeError(
-            f"bf16 on a CPU decodes through exitspec's batch-invariant attention kernel, which did not build "
-            f"({reason}); install g++ and ninja, or run in float32"
-        ) from None
+    """The compiled extension (extensions.build)."""
+    return build("invariant_attention.cpp", "bf16 on a CPU (or run in float32)")
 
 
 def invariant_attention(q: Tensor, keys_t: Tensor, values: Tensor, visible: Tensor, start: int, scale: float) -> Tensor:
