@@ -205,7 +205,7 @@ def cost_path(target, max_size: int) -> Path:
     """The cost cache's file for this target (model, device, dtype, backend, its attention, threads, torch) and max
     size."""
     key = json.dumps([
-        target.model.config.to_json_string(use_diff=False), str(target.device), str(target.model.dtype),
+        target.model.config.to_json_string(use_diff=False), str(target.device), target.precision,
         type(target.backend).__name__, target.attention, torch.get_num_threads(),
         torch.__version__, max_size, MEASURE_VERSION,
     ] + ([] if target.weight_copies else ["no weight copies"]))

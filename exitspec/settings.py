@@ -12,7 +12,8 @@ from pathlib import Path
 AUTO = "auto"
 AUTO_CAP = 32  # the largest tree `--budget auto` builds unless given auto:B
 MAX_BUDGET = 4096  # draft tokens per tree: beyond this no tree pays; below it app.check_budgets checks memory
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4_1", "gguf")
+QUANTIZED = ("q8_0", "q4_1", "gguf")  # precisions the quantized forward runs (quant.py): gguf is the model file's own blocks
 VERIFIERS = ("greedy", "predraw", "sequential", "tev")  # the keys of verify.DECIDERS (a test keeps them equal)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DRAFT_MODEL_PREFIXES = ("model:", "layers:")  # drafter specs of draft models: a causal-LM folder, the target's first K layers

@@ -31,6 +31,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from exitspec.lean import LeanLlama, additive_mask, supports
+from exitspec.quant import QuantLlama
 from exitspec.tree import DraftTree
 
 
@@ -129,7 +130,9 @@ class TargetModel:
     names everything that decides a forward's speed, so that a baseline and a speculative run can be checked to
     run the same way. `weight_copies`: the row plan may lay the weights out again where that is faster (Panels,
     Packed: each a full copy of the weights); off, the target runs on the model's own weights alone (a model the
-    caller loaded and keeps using, `SpeculativeDecoder.from_model`).
+    caller loaded and keeps using, `SpeculativeDecoder.from_model`). `precision`: a quantized forward's weights
+    (quant.QuantLlama: q8_0, q4_1, bf16, f32 or gguf:PATH), by default the one the model was loaded for
+    (`models.load_model_and_tokenizer` with a quantized --dtype); None: the torch forward in the model's dtype.
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class TargetModel:
         feature_layers: tuple[int, ...] = (),
         backend: Literal["auto", "lean", "transformers"] = "auto",
         weight_copies: bool = True,
+        precision: str | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -155,7 +159,13 @@ class TargetModel:
         if not lean and attn not in ("sdpa", "eager"):  # the lean forward runs its own sdpa whatever the model's
             raise ValueError(f"tree attention needs 'sdpa' or 'eager' attention, the model uses {attn!r}")
         self.weight_copies = weight_copies
-        self.backend = LeanLlama(model, self.feature_layers) if lean else TransformersForward(model, self.feature_layers)
+        precision = precision or getattr(model, "exitspec_precision", None)  # models.load_model_and_tokenizer's
+        if precision is not None:
+            self.backend = QuantLlama(model, precision, self.feature_layers)
+        elif lean:
+            self.backend = LeanLlama(model, self.feature_layers)
+        else:
+            self.backend = TransformersForward(model, self.feature_layers)
         self.reset()
 
     @property
@@ -174,11 +184,16 @@ class TargetModel:
         return {
             "backend": type(self.backend).__name__,
             "device": str(self.device),
-            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "dtype": self.precision,
             "threads": torch.get_num_threads(),
             "attention": self.attention,
             "row_plan": {str(rows): list(how) for rows, how in sorted(self.row_plan.items())},
         }
+
+    @property
+    def precision(self) -> str:
+        """The weights' precision as the forward runs them: the model's dtype, or the quantized forward's weights."""
+        return getattr(self.backend, "precision", None) or str(self.model.dtype).removeprefix("torch.")
 
     @property
     def vocab_size(self) -> int:

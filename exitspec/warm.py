@@ -47,7 +47,7 @@ def key(kind: str, target: TargetModel, drafter: Drafter, params: SamplingParams
         "model": model_digest(target.model.config),
         "drafter": drafter.identity(),
         "device": target.device.type,
-        "dtype": str(target.model.dtype),
+        "dtype": target.precision,
         "temperature": float(params.temperature),
         "top_k": int(params.top_k),
         "top_p": float(params.top_p),

@@ -137,7 +137,7 @@ def profile(model=None, device=None, dtype="auto", threads=None, sizes=(0, 4, 8,
         rows.append({"n": n, "total_ms": 1000 * total, "products_ms": 1000 * (products - lm_head),
                      "lm_head_ms": 1000 * lm_head, "attention_ms": 1000 * attention,
                      "other_ms": 1000 * (total - products - attention)})
-    return {"device": str(target.device), "dtype": str(target.model.dtype).removeprefix("torch."),
+    return {"device": str(target.device), "dtype": target.precision,
             "threads": torch.get_num_threads(), "context": target.cache_len, "row_plan": target.forward_config()["row_plan"],
             "rows": rows}
 
