@@ -131,8 +131,9 @@ class TargetModel:
     run the same way. `weight_copies`: the row plan may lay the weights out again where that is faster (Panels,
     Packed: each a full copy of the weights); off, the target runs on the model's own weights alone (a model the
     caller loaded and keeps using, `SpeculativeDecoder.from_model`). `precision`: a quantized forward's weights
-    (quant.QuantLlama: q8_0, q4_1, bf16, f32 or gguf:PATH), by default the one the model was loaded for
-    (`models.load_model_and_tokenizer` with a quantized --dtype); None: the torch forward in the model's dtype.
+    (quant.QuantLlama: q8_0, q4_1, bf16, f32 or gguf:PATH); under backend "auto" by default the ones the model was
+    loaded for (`models.load_model_and_tokenizer` with a quantized --dtype); None: the torch forward in the model's
+    dtype.
     """
 
     def __init__(
@@ -159,7 +160,8 @@ class TargetModel:
         if not lean and attn not in ("sdpa", "eager"):  # the lean forward runs its own sdpa whatever the model's
             raise ValueError(f"tree attention needs 'sdpa' or 'eager' attention, the model uses {attn!r}")
         self.weight_copies = weight_copies
-        precision = precision or getattr(model, "exitspec_precision", None)  # models.load_model_and_tokenizer's
+        if backend == "auto":  # the quantized forward where the model was loaded for it (models.load_model_and_tokenizer)
+            precision = precision or getattr(model, "exitspec_precision", None)
         if precision is not None:
             self.backend = QuantLlama(model, precision, self.feature_layers)
         elif lean:
