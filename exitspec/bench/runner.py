@@ -34,7 +34,7 @@ import platform
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -127,6 +127,12 @@ class Plan:
                             measured = turn >= sample.context_turns  # a context turn needs only its AR answer
                             for config in (None, *configs) if measured else (None,):
                                 yield Step(name, sample, temperature, repeat, turn, config)
+
+    def ends_measured_turn(self, step: Step) -> bool:
+        """Whether `step` is the last row of a turn that is measured (not a context turn)."""
+        configs = self.configs_at(step.temperature)
+        last = configs[-1] if configs else None
+        return step.turn >= step.sample.context_turns and step.config == last
 
     def key(self, step: Step) -> dict:
         """The fields that name the row of `step` (kind included)."""
@@ -363,8 +369,11 @@ class _Live:
         return f"τ {(self.accepted + self.rounds) / max(self.rounds, 1):.2f} · SR {sr or 0:.2f}×"
 
 
-def run_plan(plan: Plan, runner: Runner, results: ResultsFile, limit: int | None = None, progress: bool = True) -> int:
-    """Measures every row of `plan` missing from `results` (at most `limit` new rows); returns how many it added."""
+def run_plan(plan: Plan, runner: Runner, results: ResultsFile, limit: int | None = None, progress: bool = True,
+             after_turn: Callable[[dict, list[int]], int] | None = None) -> int:
+    """Measures every row of `plan` missing from `results` (at most `limit` new rows); returns how many it added.
+    `after_turn(baseline key, prompt ids)`, run after the last row of each measured turn once that turn's baseline
+    row is in `results`, measures the interleaved peers of that prompt and returns how many rows it added."""
     live, added = _Live(), 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[live]}"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
@@ -373,15 +382,17 @@ def run_plan(plan: Plan, runner: Runner, results: ResultsFile, limit: int | None
         done = sum(results.get(plan.key(s)) is not None for s in steps)
         task = bar.add_task("bench", total=len(steps), completed=done, live="")
         for step, key, prompt_ids in _prompts(plan, runner, results):
-            if results.get(key) is not None:
-                continue
-            if limit is not None and added >= limit:
-                break
-            bar.update(task, description=f"{step.dataset} {step.sample.id} T={step.temperature:g}")
-            row = _measure(plan, runner, results, step, key, prompt_ids)
-            results.append(row)
-            added += 1
-            bar.update(task, advance=1, **({"live": live.add(row)} if step.config else {}))
+            if results.get(key) is None:
+                if limit is not None and added >= limit:
+                    break
+                bar.update(task, description=f"{step.dataset} {step.sample.id} T={step.temperature:g}")
+                row = _measure(plan, runner, results, step, key, prompt_ids)
+                results.append(row)
+                added += 1
+                bar.update(task, advance=1, **({"live": live.add(row)} if step.config else {}))
+            base = plan.key(replace(step, config=None))
+            if after_turn and plan.ends_measured_turn(step) and results.get(base) is not None:
+                added += after_turn(base, prompt_ids)
     return added
 
 
