@@ -363,8 +363,9 @@ def _add_latency(p: argparse.ArgumentParser) -> None:
     """`exitspec latency`'s own options; the model and common options come from app's shared groups."""
     p.add_argument("--stage", choices=("verify", "forward", "profile", "suffix", "round"), default="verify",
                    help="verify: the verifier decision and stage, predraw vs TEV (table 3); forward: the target's "
-                        "tree forward + commit against N: transformers' forward, the lean one, and the lean one with `auto`'s row plan "
-                        "(bench/forward.py); profile: where one tree forward's time goes (products, LM head, "
+                        "tree forward + commit against N: transformers' forward, the lean one, and the decoder's own "
+                        "(the lean one with `auto`'s row plan, or the quantized one of a quantized --dtype; "
+                        "bench/forward.py); profile: where one tree forward's time goes (products, LM head, "
                         "attention, the rest); suffix: suffix drafting's µs per update and lookup against the "
                         "memory's stored tokens (bench/suffix.py; --sizes in tokens); round: torch ops and host syncs "
                         "per decoding round, by stage, with the syncs' call sites (bench/rounds.py)")
@@ -372,6 +373,9 @@ def _add_latency(p: argparse.ArgumentParser) -> None:
                    help="--stage forward/profile: tree sizes N (0: the root alone, one decoding step; default 0 1 2 4 "
                         "8 16 32 64); --stage suffix: stored tokens (default 10000 1000000)")
     p.add_argument("--context", type=integer(1), default=300, help="--stage forward: cached tokens before the tree")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="--stage forward: llama.cpp's causal batches (llama-bench) on the GGUF file of the same weights "
+                        "beside exitspec's (built by scripts/llamacpp.sh)")
     p.add_argument("--budgets", type=integer(1), nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--round-budgets", nargs="+", default=["32", "auto"], metavar="B",
                    help="--stage round: budgets (B or auto[:B])")

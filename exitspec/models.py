@@ -99,8 +99,9 @@ def load_model_and_tokenizer(
     device = resolve_device(device)
     default = path is None
     path = model_folder(path)
-    quantized = quantized_weights(dtype, device, default)
-    dtype = resolve_dtype(dtype, device, AutoConfig.from_pretrained(path) if dtype == "auto" else None)
+    config = AutoConfig.from_pretrained(path) if dtype in ("auto", "bfloat16") else None
+    quantized = quantized_weights(dtype, device, default, config)
+    dtype = torch.float32 if quantized else resolve_dtype(dtype, device, config)  # fp32: the drafters' copy
     remedy = f"delete {path} and rerun to convert it again" if default else "re-download or re-convert the model"
     for weights in sorted(path.glob("*.safetensors")):
         check_safetensors(weights, remedy)
@@ -150,9 +151,15 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device, config=None) ->
     return getattr(torch, name)
 
 
-def quantized_weights(name: str | torch.dtype, device: torch.device, default: bool) -> str | None:
+def quantized_weights(name: str | torch.dtype, device: torch.device, default: bool, config=None) -> str | None:
     """The quantized forward's weights spec (quant.QuantLlama) for a --dtype, None where the torch forward runs:
-    q8_0 and q4_1 quantize the model's weights; gguf reads the default model's GGUF file as it is."""
+    q8_0 and q4_1 quantize the model's weights; gguf reads the default model's GGUF file as it is; bfloat16 on a
+    CPU without native bf16 keeps bf16 weights and multiplies in fp32 there (torch would emulate bf16 products,
+    and only the lean forward's kernel on a native-bf16 CPU keeps torch's bf16 trees exact). `config`: the model's
+    (None: taken to be one the lean forward runs)."""
+    lean = config is None or supports_config(config) is None
+    if name == "bfloat16" and device.type == "cpu" and not native_bf16() and lean:
+        return "bf16"
     if name not in QUANTIZED:
         return None
     if device.type != "cpu":

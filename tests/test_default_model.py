@@ -7,7 +7,6 @@ import torch
 
 from exitspec.decode import SpeculativeDecoder, encode_prompt
 from exitspec.drafters import load_drafter
-from exitspec.settings import native_bf16
 from exitspec.target import TargetModel
 
 PROMPTS = [
@@ -85,11 +84,12 @@ def test_custom_generate_equals_generate(decoder, references):
     assert tokens / rounds > TRAINED_DFLASH_MIN_TAU, "the shipped drafter should get draft tokens accepted"
 
 
-@pytest.mark.skipif(not native_bf16(), reason="the CPU has no native bf16: bf16 keeps sdpa, not token-exact")
-def test_bf16_greedy_equals_bf16_autoregressive_output():
-    """The default model in bf16 (`--dtype auto` on CPUs with native bf16) with its shipped drafter: greedy
-    speculative output equals the same bf16 target's own autoregressive output (batch-invariant attention)."""
-    decoder = SpeculativeDecoder.from_pretrained(None, dtype="bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "gguf"])
+def test_greedy_equals_autoregressive_output_in_bf16_and_in_the_ggufs_own_blocks(dtype):
+    """The default model in bf16 (the lean forward's batch-invariant attention on CPUs with native bf16, the
+    quantized forward's bf16 weights elsewhere) and in its GGUF file's own Q4_1 blocks, with its shipped drafter:
+    greedy speculative output equals the same target's own autoregressive output."""
+    decoder = SpeculativeDecoder.from_pretrained(None, dtype=dtype)
     for prompt in PROMPTS[:3]:
         expected = decoder.autoregressive(prompt, max_new_tokens=NEW_TOKENS).tokens
         for budget in (8, 32, "auto"):

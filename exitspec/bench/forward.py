@@ -5,22 +5,32 @@
 
 For each N, a chain of N draft tokens (the deepest tree, as a peaked drafter's DDTree tends to be) and a
 balanced binary tree of N nodes (`bushy_tree`, as a flat drafter's is) go through `forward_tree` + `commit`
-after `context` cached tokens, on transformers' own forward, on the lean Llama-family forward, and on the
-lean forward with the row plan that `--budget auto` uses (its weight products of n rows run on the rows of
-the cheapest measured size at or above: budget.CostModel), alternated per size so load drift hits all alike.
+after `context` cached tokens, on transformers' own forward, on the lean Llama-family forward in the model's
+dtype, and on the decoder's own target ("decoder": the lean forward with the row plan that `--budget auto`
+uses, or the quantized forward of a quantized --dtype), alternated per size so load drift hits all alike.
 N = 0 is the root alone: one decoding step, the unit of the ratios. Reported: median milliseconds and ratio
 to that backend's own step.
+
+`--peers llamacpp` adds llama.cpp on the GGUF file of the same weights (`LLAMACPP_FILES`): `llama-bench`'s
+causal batch of N + 1 tokens after `context` cached ones (`-p N+1 -d context`; llama.cpp has no tree batch in
+its bench, and a chain is what a tree costs it), run before and after exitspec's passes; the table gives their
+mean, and both runs are kept.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from exitspec.app import load_decoders
+from exitspec.bench.llamacpp import BUILD_HINT, MODEL_STEM, install_dir
+from exitspec.bench.runner import cpu_name
 from exitspec.budget import chain_runs
 from exitspec.lean import supports
 from exitspec.target import TargetModel
@@ -28,7 +38,9 @@ from exitspec.timing import fastest, timings
 from exitspec.tree import DraftTree
 
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
-BACKENDS = ("transformers", "lean", "lean+plan")
+BACKENDS = ("transformers", "lean", "decoder")
+LLAMACPP_FILES = {"gguf": "Q4_1", "q4_1": "Q4_1", "q8_0": "Q8_0", "bf16": "BF16", "bfloat16": "BF16"}  # precision ->
+# the llama.cpp file of the same weights (scripts/llamacpp.sh)
 
 
 def bushy_tree(size: int, root: int, vocab: int, device) -> DraftTree:
@@ -53,20 +65,24 @@ def target_stage_seconds(target: TargetModel, tree: DraftTree) -> float:
     return timings(verify_nothing, 1, target.device, reset=lambda: target.truncate(context))[0]
 
 
-def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, context=300, repeats=7) -> dict:
-    """Median seconds of forward_tree + commit per (backend, shape, N), alternating the backends."""
+def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, context=300, repeats=7,
+            llamacpp: bool = False) -> dict:
+    """Median seconds of forward_tree + commit per (backend, shape, N), alternating the backends; with `llamacpp`,
+    llama.cpp's causal batches on the same weights' GGUF file before and after."""
     decoder = next(iter(load_decoders(model, ["ngram"], device, dtype, threads, budgets=[max(sizes)]).values()))
     hf = decoder.target.model
     backends = [b for b in BACKENDS if b == "transformers" or supports(hf) is None]
-    # "lean+plan" is the decoder's own target, calibrated at load: the row plan every decoding run uses
-    targets = {b: decoder.target if b == "lean+plan" else TargetModel(hf, decoder.target.tokenizer, backend=b)
+    # "decoder" is the decoder's own target, calibrated at load: the forward every decoding run uses
+    targets = {b: decoder.target if b == "decoder" else TargetModel(hf, decoder.target.tokenizer, backend=b)
                for b in backends}
+    gguf = llamacpp_file(decoder.target.precision) if llamacpp else None
     any_target = targets[backends[0]]
     context = max(1, min(context, any_target.max_context - max(sizes) - 2))
     ids = torch.arange(context, device=any_target.device) % any_target.vocab_size
     for target in targets.values():
         target.prefill(ids)
     times = {(b, shape, n): [] for b in backends for shape in ("chain", "tree") for n in sizes}
+    peer_runs = [llama_bench(gguf, sizes, context, repeats)] if gguf else []
     for _ in range(repeats + 1):  # the first pass warms up and is dropped
         for n in sizes:
             for shape in ("chain", "tree"):
@@ -85,13 +101,39 @@ def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, co
                 seconds = statistics.median(times[b, shape, n][1:])
                 step = statistics.median(times[b, "chain", 0][1:])
                 row[b] = {"ms": round(1000 * seconds, 2), "steps": round(seconds / step, 3)}
+            if peer_runs and shape == "chain":
+                ms = [run[n] * 1000 for run in peer_runs]
+                row["llama.cpp"] = {"ms": round(statistics.mean(ms), 2), "runs_ms": [round(x, 2) for x in ms],
+                                    "steps": round(statistics.mean(ms) / statistics.mean(r[0] * 1000 for r in peer_runs), 3)}
             rows.append(row)
-    return {"model": str(model or "SmolLM2-135M-Instruct"), "device": str(any_target.device),
+    return {"model": str(model or "SmolLM2-135M-Instruct"), "device": str(any_target.device), "cpu": cpu_name(),
+            "precision": decoder.target.precision, "llama.cpp file": gguf.name if gguf else None,
             "threads": torch.get_num_threads(), "context": context, "repeats": repeats, "rows": rows}
 
 
+def llamacpp_file(precision: str) -> Path:
+    """The GGUF file of llama.cpp's build (scripts/llamacpp.sh) holding the same weights as `precision`."""
+    kind = LLAMACPP_FILES.get(precision.split(":")[0])
+    if kind is None:
+        raise ValueError(f"llama.cpp has no file of the {precision} weights; use --dtype gguf, q8_0 or bfloat16")
+    path = install_dir() / f"{MODEL_STEM}.{kind}.gguf"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: llama.cpp is not built; run: {BUILD_HINT}")
+    return path
+
+
+def llama_bench(gguf: Path, sizes, context: int, repeats: int) -> dict[int, float]:
+    """{N: seconds} of llama-bench's causal batch of N + 1 tokens after `context` cached ones, at this process's
+    thread count."""
+    bench = install_dir() / "bin" / "llama-bench"
+    command = [str(bench), "-m", str(gguf), "-t", str(torch.get_num_threads()), "-n", "0", "-d", str(context),
+               "-p", ",".join(str(n + 1) for n in sizes), "-r", str(repeats), "-o", "json"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return {int(run["n_prompt"]) - 1: run["avg_ns"] / 1e9 for run in json.loads(out)}
+
+
 def print_table(result: dict, console: Console) -> None:
-    backends = [b for b in BACKENDS if b in result["rows"][0]]
+    backends = [b for b in (*BACKENDS, "llama.cpp") if b in result["rows"][0]]
     table = Table(title=f"Target stage (forward_tree + commit) against N, {result['context']}-token cache, "
                         f"{result['threads']} threads, {result['device']}: ms and × one decoding step")
     table.add_column("N", justify="right")
@@ -103,7 +145,7 @@ def print_table(result: dict, console: Console) -> None:
         if row["n"] == 0 and row["shape"] == "tree":
             continue  # the root alone is the same in both shapes
         table.add_row(str(row["n"]), row["shape"] if row["n"] else "root", *(
-            x for b in backends for x in (f"{row[b]['ms']:.1f}", f"{row[b]['steps']:.2f}")))
+            x for b in backends for x in ((f"{row[b]['ms']:.1f}", f"{row[b]['steps']:.2f}") if b in row else ("", ""))))
     console.print(table)
 
 

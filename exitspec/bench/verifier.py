@@ -257,7 +257,7 @@ def run(args) -> int:
         forward.print_profile(result, Console())
     elif args.stage == "forward":
         result = forward.measure(args.model, args.device, args.dtype, args.threads, sizes, args.context,
-                                 args.repeats)
+                                 args.repeats, args.llamacpp)
         forward.print_table(result, Console())
     else:
         result = measure(
