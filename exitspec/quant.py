@@ -25,6 +25,12 @@ row count or thread count (the kernel's header says how), so a tree's rows equal
 and greedy speculative output equals this target's own autoregressive output (tests/test_quant.py). The target
 is the quantized model: its outputs differ from the fp32 model's as the file's rounding makes them.
 
+A prompt's prefill (a causal run of 8 rows or more, which speculative and autoregressive decoding share) runs
+the same weights' values in fp32 through the BLAS instead (decoded once at load, 4 bytes a weight): a row-block
+kernel without integer dot instructions (AVX2 has none wider than 16 bits) does a prompt's rows at about a
+third of the BLAS's speed. Prefilled keys and values are then the fp32 products', as in the lean forward, whose
+prefill takes sdpa.
+
 Weights come from a GGUF file's own blocks (`gguf_weights`: the default model's Q4_1 file as it is) or from a
 loaded model's float weights quantized here with GGUF's reference quantizers (`QuantLlama(model, "q8_0")`).
 """
@@ -38,7 +44,6 @@ import torch
 from torch import Tensor, nn
 
 from exitspec.extensions import build, digest
-from exitspec.lean import supports
 
 FORMATS = ("f32", "bf16", "q8_0", "q4_1")  # weight formats the kernel multiplies by
 GGUF = "gguf"  # a weights spec: the model's GGUF file's own blocks (`gguf_weights`)
@@ -49,6 +54,22 @@ IDENTITY = f"quant:{digest('quant_llama.cpp')}"  # the kernel's version, in forw
 def kernel():
     """The compiled extension (extensions.build)."""
     return build("quant_llama.cpp", "the quantized forward")
+
+
+def supports_config(config) -> str | None:
+    """None when the quantized forward runs a model of this config; otherwise why not (a short reason): a Llama-family
+    model (lean.supports_config) whose every product has a multiple of 32 inputs."""
+    from exitspec.lean import supports_config as lean_supports
+
+    reason = lean_supports(config)
+    if reason is not None:
+        return reason
+    config = config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    widths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim)
+    if any(w % 32 for w in widths):
+        return f"product widths {widths}, not all multiples of 32"
+    return None
 
 
 def format_code(name: str) -> int:
@@ -124,7 +145,7 @@ def gguf_weights(path: Path, config) -> dict[str, Blocks]:
         if part[0] == "blk" and part[2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if part[2] == "attn_q" else config.num_key_value_heads
             data = data.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1)
-        out[name] = Blocks(torch.from_numpy(np.ascontiguousarray(data)), GGUF_TYPES[kind], rows, cols)
+        out[name] = Blocks(torch.from_numpy(np.array(data)), GGUF_TYPES[kind], rows, cols)  # a writable copy, not a view of the file's mapping
     return out
 
 
@@ -138,7 +159,7 @@ class QuantLlama:
     """
 
     def __init__(self, model: nn.Module, weights: str, feature_layers: tuple[int, ...] = ()):
-        reason = supports(model)
+        reason = supports_config(model.config)
         if reason is not None:
             raise ValueError(f"the quantized forward does not support this model: {reason}")
         if model.device.type != "cpu":
@@ -184,7 +205,7 @@ class QuantLlama:
         self.bytes = sum(b.data.numel() for b in {id(b): b for b in blocks.values()}.values())
         return kernel().Engine(layer_weights, norms, qk_norms, embed.kernel_weight(),
                                head.kernel_weight(_bias(model.get_output_embeddings())), cos[0].float().contiguous(),
-                               sin[0].float().contiguous(), self.heads, self.kv_heads, self.head_dim, eps)
+                               sin[0].float().contiguous(), self.heads, self.kv_heads, self.head_dim, eps, True)
 
     def _blocks(self, model: nn.Module, config) -> dict[str, Blocks]:
         if self.weights.startswith(f"{GGUF}:"):

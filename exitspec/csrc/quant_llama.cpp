@@ -352,11 +352,20 @@ void rope(float* x, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
+torch::Tensor dequantize(const Weight& w) {
+  auto out = torch::empty({w.rows, w.cols}, torch::TensorOptions().dtype(torch::kFloat32));
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, w.rows, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) dequantize_row(w, j, dst + j * w.cols);
+  });
+  return out;
+}
+
 class Engine {
  public:
   Engine(std::vector<Weight> layer_weights, std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qk_norms,
          Weight embed, Weight head, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads,
-         int64_t head_dim, double eps)
+         int64_t head_dim, double eps, bool dense_prefill)
       : weights_(std::move(layer_weights)), norms_(std::move(norms)), qk_norms_(std::move(qk_norms)),
         embed_(std::move(embed)), head_(std::move(head)), cos_(cos.contiguous()), sin_(sin.contiguous()),
         heads_(heads), kv_heads_(kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)) {
@@ -364,6 +373,9 @@ class Engine {
     D_ = embed_.cols;
     TORCH_CHECK(static_cast<int64_t>(norms_.size()) == 2 * layers_ + 1, "need 2 norms per layer and a final one");
     TORCH_CHECK(qk_norms_.empty() || static_cast<int64_t>(qk_norms_.size()) == 2 * layers_, "q/k norms per layer");
+    if (dense_prefill) {
+      for (const Weight& w : weights_) dense_.push_back(dequantize(w));
+    }
   }
 
   // ids, positions [n]; visible [n, n] bool (row i sees new row j) or none (causal); keys, values [layers, Hkv,
@@ -389,6 +401,9 @@ class Engine {
       for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j <= i; ++j) sees[i * n + j] = 1;
     }
+    // a causal run of many rows (a prompt's prefill, which speculative and autoregressive decoding share) takes
+    // the dense products: same weights, fp32 inputs, a BLAS's speed; trees and steps take the row-invariant kernel
+    const bool causal_rows = !visible && n >= kDenseRows && !dense_.empty();
     const int64_t max_pos = cos_.size(0);
     for (int64_t i = 0; i < n; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "position ", pos[i], " out of range");
 
@@ -416,10 +431,8 @@ class Engine {
     const float scale = 1.f / std::sqrt(static_cast<float>(hd));
 
     for (int64_t l = 0; l < layers_; ++l) {
-      const Weight &w_qkv = weights_[4 * l], &w_o = weights_[4 * l + 1], &w_gu = weights_[4 * l + 2],
-                   &w_down = weights_[4 * l + 3];
       rms_norm(x, norms_[2 * l].data_ptr<float>(), n, D, eps_, h.data());
-      linear(w_qkv, h.data(), n, qkv.data(), scratch_);
+      product(4 * l, h.data(), n, qkv.data(), causal_rows);
       for (int64_t i = 0; i < n; ++i) {
         float* row = qkv.data() + i * qkv_width;
         for (int64_t head = 0; head < H + Hkv; ++head) {  // the query heads, then the key heads
@@ -438,10 +451,10 @@ class Engine {
       }
       attend(qkv.data(), qkv_width, kc + l * Hkv * cap * hd, vc + l * Hkv * cap * hd, cap, start, n, sees, groups,
              scale, att.data());
-      linear(w_o, att.data(), n, out.data(), scratch_);
+      product(4 * l + 1, att.data(), n, out.data(), causal_rows);
       for (int64_t k = 0; k < n * D; ++k) x[k] = x[k] + out[k];
       rms_norm(x, norms_[2 * l + 1].data_ptr<float>(), n, D, eps_, h.data());
-      linear(w_gu, h.data(), n, gate_up.data(), scratch_);
+      product(4 * l + 2, h.data(), n, gate_up.data(), causal_rows);
       for (int64_t i = 0; i < n; ++i) {
         const float* gu = gate_up.data() + i * 2 * inter;
         for (int64_t k = 0; k < inter; ++k) {
@@ -449,7 +462,7 @@ class Engine {
           act[i * inter + k] = (g / (1.f + std::exp(-g))) * gu[inter + k];
         }
       }
-      linear(w_down, act.data(), n, out.data(), scratch_);
+      product(4 * l + 3, act.data(), n, out.data(), causal_rows);
       for (int64_t k = 0; k < n * D; ++k) x[k] = x[k] + out[k];
       if (l < layers_ - 1) tap(l, x_t);
     }
@@ -463,6 +476,23 @@ class Engine {
   }
 
  private:
+  static constexpr int64_t kDenseRows = 8;  // causal rows from which a forward takes the dense products
+
+  // y [n, rows] = x [n, cols] · W_iᵀ (+ bias) for layer weight i: the kernel's product, or with `dense` the BLAS's
+  // over the weight's values in fp32 (dense_, decoded once at load)
+  void product(int64_t i, const float* x, int64_t n, float* y, bool dense) {
+    const Weight& w = weights_[i];
+    if (!dense) return linear(w, x, n, y, scratch_);
+    auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+    auto xt = torch::from_blob(const_cast<float*>(x), {n, w.cols}, f32);
+    auto yt = torch::from_blob(y, {n, w.rows}, f32);
+    if (w.bias.defined()) {
+      at::addmm_out(yt, w.bias, xt, dense_[i].t());
+    } else {
+      at::mm_out(yt, xt, dense_[i].t());
+    }
+  }
+
   // att [n, H·hd]: row i's query head h against KV head h / groups over the cache (slots < start) and the new
   // rows it sees, keys in slot order: s_j = scale·q·k_j, w_j = exp(s_j − max s), out = Σ w_j v_j / Σ w_j.
   void attend(const float* qkv, int64_t qkv_width, const float* keys, const float* values, int64_t cap,
@@ -515,6 +545,7 @@ class Engine {
   }
 
   std::vector<Weight> weights_;  // per layer: W_qkv, W_o, W_gate_up, W_down
+  std::vector<torch::Tensor> dense_;  // the same weights' values, fp32 [rows, cols] (empty: no dense products)
   std::vector<torch::Tensor> norms_, qk_norms_;
   Weight embed_, head_;
   torch::Tensor cos_, sin_;  // [max positions, hd]
@@ -575,14 +606,6 @@ torch::Tensor quantize(torch::Tensor weight, int64_t format) {
   return out;
 }
 
-torch::Tensor dequantize(const Weight& w) {
-  auto out = torch::empty({w.rows, w.cols}, torch::TensorOptions().dtype(torch::kFloat32));
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, w.rows, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t j = lo; j < hi; ++j) dequantize_row(w, j, dst + j * w.cols);
-  });
-  return out;
-}
 
 // x [n, cols] fp32 → x · wᵀ (+ bias) [n, rows]: one product, as the forward runs it
 torch::Tensor product_of(const Weight& w, torch::Tensor x) {
@@ -614,6 +637,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("format", &Weight::format);
   pybind11::class_<Engine>(m, "Engine")
       .def(pybind11::init<std::vector<Weight>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, Weight, Weight,
-                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())
+                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, bool>())
       .def("forward", &Engine::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
