@@ -159,6 +159,8 @@ def generate(args) -> int:
     decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads, args.lookup,
                             budgets=[args.budget], warm_start=not args.no_warm_start,
                             learn=not args.compare)[args.drafter]  # a measurement must not find its own answers
+    if args.compare and not args.llamacpp and args.model is None:
+        args.llamacpp = _same_weights_in_llamacpp(decoder.target.precision)
     settings = {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat,
@@ -201,6 +203,19 @@ def generate(args) -> int:
             print(_per_run_table(per_run, llama.version, first_difference(baseline.tokens, llama_tokens)),
                   file=sys.stderr)
     return 0
+
+
+def _same_weights_in_llamacpp(precision: str) -> str | None:
+    """--compare's llama.cpp row by default: the llama.cpp file of the target's own weights where it is built; else
+    None, after a line on stderr with the command that builds it."""
+    from exitspec.bench.llamacpp import BUILD_HINT, built, same_weights
+
+    variant = same_weights(precision)
+    if variant is not None and built(variant):
+        return variant
+    if variant is not None:
+        print(f"[llama.cpp on the same weights: {BUILD_HINT}, then this command again]", file=sys.stderr)
+    return None
 
 
 def _llamacpp_request(args, target) -> dict:

@@ -157,11 +157,12 @@ def quantized_weights(name: str | torch.dtype, device: torch.device, default: bo
     q8_0 and q4_1 quantize the model's weights; gguf reads the default model's GGUF file as it is; bfloat16 on a
     CPU without native bf16 keeps bf16 weights and multiplies in fp32 there (torch would emulate bf16 products,
     and only the lean forward's kernel on a native-bf16 CPU keeps torch's bf16 trees exact), and so does auto
-    there: a one-token step as cheap as llama.cpp's on the same bf16 file, and trees far cheaper than torch's fp32
-    forward (docs/results.md). `config`: the model's (None: taken to be one the quantized forward runs)."""
+    there for a model folder: a step as cheap as llama.cpp's on the same bf16 file, trees far cheaper than torch's
+    fp32 forward's. For the default model auto takes its GGUF file's own blocks, the fastest there
+    (docs/results.md). `config`: the model's (None: taken to be one the quantized forward runs)."""
     runs = config is None or quant_supports(config) is None
     if name in ("auto", "bfloat16") and device.type == "cpu" and not native_bf16() and runs:
-        return "bf16"
+        return f"gguf:{_find_gguf()}" if name == "auto" and default else "bf16"
     if name not in QUANTIZED:
         return None
     if device.type != "cpu":

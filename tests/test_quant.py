@@ -194,3 +194,20 @@ def test_the_default_models_gguf_blocks_are_its_converted_weights():
     assert len(blocks) == 7 * model.config.num_hidden_layers + 1
     for name, b in blocks.items():
         assert torch.equal(b.dequantize(), params[name]), name
+
+
+def test_auto_runs_the_quantized_forward_on_cpus_without_native_bf16(monkeypatch):
+    """There the default model runs its GGUF file's own blocks and a model folder bf16 weights in the quantized
+    forward (torch would emulate bf16); on a CPU with native bf16 the lean forward keeps bf16 (test_attention)."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(models, "native_bf16", lambda: False)
+    assert models.quantized_weights("auto", cpu, default=True) == f"gguf:{models._find_gguf()}"
+    assert models.quantized_weights("auto", cpu, default=False) == "bf16"
+    assert models.quantized_weights("bfloat16", cpu, default=True) == "bf16"
+    assert models.quantized_weights("float32", cpu, default=True) is None
+    wide = tiny_llama().config
+    wide.intermediate_size = 48  # not a multiple of 32: the torch forward
+    assert models.quantized_weights("auto", cpu, default=False, config=wide) is None
+    monkeypatch.setattr(models, "native_bf16", lambda: True)
+    assert models.quantized_weights("auto", cpu, default=True) is None
+    assert models.quantized_weights("bfloat16", cpu, default=False) is None

@@ -11,7 +11,7 @@ uses, or the quantized forward of a quantized --dtype), alternated per size so l
 N = 0 is the root alone: one decoding step, the unit of the ratios. Reported: median milliseconds and ratio
 to that backend's own step.
 
-`--peers llamacpp` adds llama.cpp on the GGUF file of the same weights (`LLAMACPP_FILES`): `llama-bench`'s
+`--llamacpp` adds llama.cpp on the GGUF file of the same weights (llamacpp.same_weights): `llama-bench`'s
 causal batch of N + 1 tokens after `context` cached ones (`-p N+1 -d context`; llama.cpp has no tree batch in
 its bench, and a chain is what a tree costs it), run before and after exitspec's passes; the table gives their
 mean, and both runs are kept.
@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from exitspec.app import load_decoders
-from exitspec.bench.llamacpp import BUILD_HINT, MODEL_STEM, install_dir
+from exitspec.bench.llamacpp import install_dir, same_weights, variant_files
 from exitspec.bench.runner import cpu_name
 from exitspec.budget import chain_runs
 from exitspec.lean import supports
@@ -39,8 +39,6 @@ from exitspec.tree import DraftTree
 
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
 BACKENDS = ("transformers", "lean", "decoder")
-LLAMACPP_FILES = {"gguf": "Q4_1", "q4_1": "Q4_1", "q8_0": "Q8_0", "bf16": "BF16", "bfloat16": "BF16"}  # precision ->
-# the llama.cpp file of the same weights (scripts/llamacpp.sh)
 
 
 def bushy_tree(size: int, root: int, vocab: int, device) -> DraftTree:
@@ -93,6 +91,8 @@ def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, co
                     else:
                         tree = bushy_tree(n, 1, target.vocab_size, target.device)
                     times[b, shape, n].append(target_stage_seconds(target, tree))
+    if gguf:
+        peer_runs.append(llama_bench(gguf, sizes, context, repeats))
     rows = []
     for n in sizes:
         for shape in ("chain", "tree"):
@@ -113,13 +113,10 @@ def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, co
 
 def llamacpp_file(precision: str) -> Path:
     """The GGUF file of llama.cpp's build (scripts/llamacpp.sh) holding the same weights as `precision`."""
-    kind = LLAMACPP_FILES.get(precision.split(":")[0])
-    if kind is None:
+    variant = same_weights(precision)
+    if variant is None:
         raise ValueError(f"llama.cpp has no file of the {precision} weights; use --dtype gguf, q8_0 or bfloat16")
-    path = install_dir() / f"{MODEL_STEM}.{kind}.gguf"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: llama.cpp is not built; run: {BUILD_HINT}")
-    return path
+    return variant_files(variant)[1]
 
 
 def llama_bench(gguf: Path, sizes, context: int, repeats: int) -> dict[int, float]:

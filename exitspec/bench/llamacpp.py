@@ -45,6 +45,23 @@ START_SECONDS = 120.0
 BUILD_HINT = "bash scripts/llamacpp.sh"
 
 
+def same_weights(precision: str) -> str | None:
+    """The llama.cpp file type (a variant without speculation) holding the weights a target of this precision
+    (TargetModel.precision) runs, None where llama.cpp has none: the default model's Q4_1 file as it is, or the
+    same values in Q8_0 (GGUF's quantizer, as exitspec's q8_0) or BF16."""
+    kind = precision.split(":")[0]
+    return {"gguf": "q4_1", "q4_1": "q4_1", "q8_0": "q8_0", "bf16": "bf16", "bfloat16": "bf16"}.get(kind)
+
+
+def built(variant: str) -> bool:
+    """Whether scripts/llamacpp.sh has built llama-server and the variant's GGUF file."""
+    try:
+        variant_files(variant)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def install_dir() -> Path:
     """Where scripts/llamacpp.sh puts llama.cpp VERSION's binaries (bin/) and the GGUF files."""
     return cache_dir() / "llama.cpp" / VERSION
