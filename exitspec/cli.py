@@ -171,13 +171,14 @@ def generate(args) -> int:
         decoder.autoregressive(args.prompt, **dict(settings, max_new_tokens=4))
     stream = None if args.json else lambda text: print(text, end="", flush=True)
     result = decoder.generate(args.prompt, stream=stream, **spec_settings)
-    speedups, baseline, llama_tokens = [], None, None
+    speedups, baseline, llama_tokens, llama_version = [], None, None, None
     llama_row = f"llama.cpp {args.llamacpp}"
     per_run = {"speculative": [], "autoregressive": [], **({llama_row: []} if args.llamacpp else {})}  # tok/s
     with ExitStack() as server_up:
         if args.llamacpp:
             request = _llamacpp_request(args, decoder.target)
             llama = server_up.enter_context(_llamacpp_server(args, result.prompt_ids, request))
+            llama_version = llama.version
         for i in range(args.repeats if args.compare else 0):  # spec, base[, llama.cpp], ...: load drift hits all
             if not args.json:
                 print(f"\n[compare {i + 1}/{args.repeats}: autoregressive run ...]", end="", file=sys.stderr, flush=True)
@@ -190,19 +191,25 @@ def generate(args) -> int:
                 run = llama.complete(result.prompt_ids, **request)
                 per_run[llama_row].append(len(run.tokens) / run.seconds)
                 llama_tokens = run.tokens if llama_tokens is None else llama_tokens
+    _print_generate(args, result, spec_settings, baseline, speedups, per_run, llama_version, llama_tokens)
+    return 0
+
+
+def _print_generate(args, result, spec_settings, baseline, speedups, per_run, llama_version, llama_tokens) -> None:
+    """generate's closing output: one JSON object (--json), or the statistics line and, with llama.cpp, the per-run
+    table, on stderr."""
     if args.json:
         out = _generate_json(args, result, spec_settings, baseline, speedups)
         if args.llamacpp:
-            out["llamacpp"] = {"variant": args.llamacpp, "version": llama.version, "token_ids": llama_tokens,
+            out["llamacpp"] = {"variant": args.llamacpp, "version": llama_version, "token_ids": llama_tokens,
                                "first_difference": first_difference(baseline.tokens, llama_tokens),
                                "tokens_per_second": per_run}
         print(json.dumps(out))
     else:
         print(_generate_line(args, result, baseline, speedups), file=sys.stderr)
         if args.llamacpp:
-            print(_per_run_table(per_run, llama.version, first_difference(baseline.tokens, llama_tokens)),
+            print(_per_run_table(per_run, llama_version, first_difference(baseline.tokens, llama_tokens)),
                   file=sys.stderr)
-    return 0
 
 
 def _same_weights_in_llamacpp(precision: str) -> str | None:

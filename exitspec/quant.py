@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from exitspec.extensions import build, digest
+from exitspec.lean import supports_config as lean_supports
 
 FORMATS = ("f32", "bf16", "q8_0", "q4_1")  # weight formats the kernel multiplies by
 GGUF = "gguf"  # a weights spec: the model's GGUF file's own blocks (`gguf_weights`)
@@ -59,8 +60,6 @@ def kernel():
 def supports_config(config) -> str | None:
     """None when the quantized forward runs a model of this config; otherwise why not (a short reason): a Llama-family
     model (lean.supports_config) whose every product has a multiple of 32 inputs."""
-    from exitspec.lean import supports_config as lean_supports
-
     reason = lean_supports(config)
     if reason is not None:
         return reason

@@ -33,7 +33,7 @@ from exitspec.drafters import ChainDrafter, NgramDrafter
 
 PROMPTS = [[2, 5, 3, 7, 2, 5, 3, 7, 4], [6, 2, 5, 3, 6, 2, 5], [9, 8, 9, 8, 9, 8, 9]]
 MAX_NEW = 16
-ARGS = ["--preset", "table1", "--max-new-tokens", str(MAX_NEW), "--no-progress"]
+ARGS = ["--preset", "table1", "--max-new-tokens", str(MAX_NEW), "--dtype", "float32", "--no-progress"]
 DETERMINISTIC = ("tokens", "new_tokens", "rounds", "tau", "accepted_lengths", "stopped_by", "ar_tokens", "hf_tokens",
                  "matches_ar", "prompt_sha")
 

@@ -50,7 +50,7 @@ def test_forward_stage_json(tmp_path):
     assert [(r["n"], r["shape"]) for r in result["rows"]] == [
         (0, "chain"), (0, "tree"), (3, "chain"), (3, "tree"), (6, "chain"), (6, "tree")]
     for row in result["rows"]:
-        for backend in ("transformers", "lean", "lean+plan"):
+        for backend in ("transformers", "lean", "decoder"):
             assert row[backend]["ms"] > 0 and row[backend]["steps"] > 0
     assert result["rows"][0]["lean"]["steps"] == 1.0
     tree = bushy_tree(6, 1, 32, "cpu")
@@ -64,7 +64,7 @@ def test_profile_stage_splits_a_forward(tmp_path):
     save_tiny_llama(tmp_path / "model")
     out = tmp_path / "profile.json"
     argv = ["--stage", "profile", "--model", str(tmp_path / "model"), "--sizes", "0", "4", "--context", "20",
-            "--repeats", "2", "--device", "cpu", "--out", str(out)]
+            "--repeats", "2", "--device", "cpu", "--dtype", "float32", "--out", str(out)]
     assert main(["latency", *argv]) == 0
     result = json.loads(out.read_text())
     assert [r["n"] for r in result["rows"]] == [0, 4] and "row_plan" in result

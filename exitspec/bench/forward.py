@@ -33,6 +33,7 @@ from exitspec.bench.llamacpp import install_dir, same_weights, variant_files
 from exitspec.bench.runner import cpu_name
 from exitspec.budget import chain_runs
 from exitspec.lean import supports
+from exitspec.quant import IDENTITY as QUANT_FORWARD
 from exitspec.target import TargetModel
 from exitspec.timing import fastest, timings
 from exitspec.tree import DraftTree
@@ -161,6 +162,9 @@ def profile(model=None, device=None, dtype="auto", threads=None, sizes=(0, 4, 8,
 
     decoder = next(iter(load_decoders(model, ["ngram"], device, dtype, threads, budgets=[max(sizes)]).values()))
     target = decoder.target
+    if target.attention == QUANT_FORWARD:
+        raise ValueError(f"--stage profile splits the torch forward's ops; the {target.precision} target runs the "
+                         f"quantized forward, one C++ call: use --dtype float32 (or --stage forward)")
     head = target.model.get_output_embeddings().weight
     rows = []
     for n, verify_nothing in zip(sizes, chain_runs(target, list(sizes), context)):
