@@ -37,7 +37,7 @@ def test_json_report_follows_the_exit_law_and_leaves_decoding_unchanged(folders,
     png = folders / "dflash.png"
     argv = [PROMPT, "--ids", "--model", str(folders / "model"), "--drafter", str(folders / "drafter"), "--rounds",
             str(ROUNDS), "--budget", str(BUDGET), "--temperature", str(TEMPERATURE), "--seed", str(SEED), "--top", "3",
-            "--plot", str(png), "--json"]  # fmt: skip
+            "--plot", str(png), "--dtype", "float32", "--json"]  # fmt: skip  (the fp32 model the checks reload)
     assert main(["inspect", *argv]) == 0
     out = json.loads(capsys.readouterr().out)
     assert png.read_bytes().startswith(PNG_MAGIC) and out["plot"] == str(png)
@@ -125,7 +125,7 @@ def test_best_tree_stays_inside_the_context():
 
 def test_oracle_report_bounds_every_round(folders, capsys):
     argv = [PROMPT, "--ids", "--model", str(folders / "model"), "--drafter", "ngram", "--rounds", "4", "--budget",
-            "6", "--temperature", str(TEMPERATURE), "--oracle", "--plot", "", "--json"]  # fmt: skip
+            "6", "--temperature", str(TEMPERATURE), "--oracle", "--plot", "", "--dtype", "float32", "--json"]  # fmt: skip
     assert main(["inspect", *argv]) == 0
     out = json.loads(capsys.readouterr().out)
     for r in out["rounds"]:
