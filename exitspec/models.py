@@ -162,10 +162,10 @@ def quantized_weights(name: str | torch.dtype, device: torch.device, default: bo
     (docs/results.md). `config`: the model's (None: taken to be one the quantized forward runs)."""
     runs = config is None or quant_supports(config) is None
     if name in ("auto", "bfloat16") and device.type == "cpu" and not native_bf16() and runs:
-        return f"gguf:{_find_gguf()}" if name == "auto" and default else "bf16"
-    if name not in QUANTIZED:
+        name = "gguf" if name == "auto" and default else "bf16"
+    elif name not in QUANTIZED:
         return None
-    if device.type != "cpu":
+    elif device.type != "cpu":
         raise ValueError(f"--dtype {name} runs the quantized forward, which runs on a CPU, not on {device}")
     if name == "gguf":
         if not default:
