@@ -49,8 +49,9 @@ import psutil
 import torch
 import torch.nn.functional as F
 
+from exitspec.atomic import write_atomic
 from exitspec.lean import Panels, layouts_for
-from exitspec.models import cache_dir, write_atomic
+from exitspec.models import cache_dir
 from exitspec.timing import fastest, timings
 from exitspec.tree import DraftTree
 

@@ -1,8 +1,9 @@
-"""Command line: `exitspec generate | check | inspect | bench | latency | train {dflash, exit, eval}`.
+"""Command line: `exitspec generate | serve | check | inspect | bench | latency | train {dflash, exit, eval}`.
 
     exitspec generate "Why is the sky blue?"                 # default model, greedy, streamed
     exitspec generate "..." --temperature 1 --compare        # plus speedup over autoregressive decoding
     exitspec generate "..." --json                           # one JSON object for scripts
+    exitspec serve --port 8000                               # OpenAI-compatible server (exitspec.serve)
     exitspec check                                           # verifier-law check on random trees
     exitspec inspect "..." --rounds 8                        # where the target's mass leaves the trees (+ PNG)
     exitspec bench --preset table1 --num-prompts 20          # τ and SR per dataset, report + plots
@@ -68,9 +69,11 @@ def build_parser() -> Parser:
 
     _add_generate(command(commands, "generate", "generate text with exact tree speculative decoding",
                           [model, sampling], "exitspec.cli:generate"))
+    _add_serve(command(commands, "serve", "an OpenAI-compatible HTTP server (chat and text completions, streamed)",
+                       [model], "exitspec.serve:run"))
     _add_check(command(commands, "check", "check every verifier's output law on random trees", [], "exitspec.cli:check"))
     _add_inspect(command(commands, "inspect", "where the target's mass leaves the draft trees (exit law per round)",
-                         [model, sampling_options(temperature=1.0)], "exitspec.inspect:run"))  # a sampled target
+                         [model, sampling_options(temperature=1.0)], "exitspec.exits:run"))  # a sampled target
     _add_bench(command(commands, "bench", "τ and speedup (SR) on datasets: paper-style tables, report and plots",
                        [model, sampling_options(many=True)], "exitspec.bench.cli:run"))
     calibrate = command(commands, "calibrate", "measure the target's cost against tree size again (the cost cache)",
@@ -78,7 +81,7 @@ def build_parser() -> Parser:
     calibrate.add_argument("--budget", type=budget_option, default="auto", metavar="B|auto|auto:B",
                            help="the largest tree to measure (default auto: 32 draft tokens)")
     _add_latency(command(commands, "latency", "latency of the verifier decision alone, predraw vs TEV (table 3)",
-                         [model], "exitspec.bench.verifier:run"))
+                         [model], "exitspec.bench.latency:run"))
     train = commands.add_parser("train", help="train a drafter, or measure held-out acceptance", parents=[common])
     stages = train.add_subparsers(dest="stage", required=True, metavar="STAGE")
     _add_train(command(stages, "dflash", "train a DFlash drafter on the target's rollouts (or make them)",
@@ -131,7 +134,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default="tev", choices=VERIFIERS)
     p.add_argument("--no-chat", action="store_true", help="encode the prompt as plain text, no chat template")
     p.add_argument("--compare", action="store_true",
-                   help="also decode autoregressively, alternating runs, and report the speedup's median and range")
+                   help="also decode autoregressively, alternating runs, and report the speedup in tokens per second "
+                        "(median and range)")
     p.add_argument("--repeats", type=integer(1, 100), default=3,
                    help="with --compare: speculative/autoregressive run pairs, alternated (default 3)")
     p.add_argument("--llamacpp", choices=LLAMACPP_VARIANTS, metavar="TYPE[-ngram]",
@@ -179,12 +183,14 @@ def generate(args) -> int:
             request = _llamacpp_request(args, decoder.target)
             llama = server_up.enter_context(_llamacpp_server(args, result.prompt_ids, request))
             llama_version = llama.version
-        for i in range(args.repeats if args.compare else 0):  # spec, base[, llama.cpp], ...: load drift hits all
+        # after the warm-ups the runs alternate S A[ L] S A[ L] ... (the streamed answer is the first S), so that
+        # a drift in the machine's load hits every way alike
+        for i in range(args.repeats if args.compare else 0):
+            spec = result if i == 0 else decoder.generate(args.prompt, **spec_settings)
             if not args.json:
                 print(f"\n[compare {i + 1}/{args.repeats}: autoregressive run ...]", end="", file=sys.stderr, flush=True)
             baseline = decoder.autoregressive(args.prompt, **settings)
-            spec = result if i == 0 else decoder.generate(args.prompt, **spec_settings)
-            speedups.append(baseline.total_seconds / spec.total_seconds)
+            speedups.append(spec.tokens_per_second / baseline.tokens_per_second)  # per token: lengths may differ
             per_run["speculative"].append(spec.tokens_per_second)
             per_run["autoregressive"].append(baseline.tokens_per_second)
             if args.llamacpp:
@@ -199,7 +205,7 @@ def _print_generate(args, result, spec_settings, baseline, speedups, per_run, ll
     """generate's closing output: one JSON object (--json), or the statistics line and, with llama.cpp, the per-run
     table, on stderr."""
     if args.json:
-        out = _generate_json(args, result, spec_settings, baseline, speedups)
+        out = _generate_json(args, result, spec_settings, baseline, speedups, per_run)
         if args.llamacpp:
             out["llamacpp"] = {"variant": args.llamacpp, "version": llama_version, "token_ids": llama_tokens,
                                "first_difference": first_difference(baseline.tokens, llama_tokens),
@@ -258,8 +264,9 @@ def _per_run_table(per_run: dict[str, list[float]], version: str, differs: int |
     return "\n".join([*lines, f"llama.cpp: {version}; against the autoregressive output: {same}"])
 
 
-def _generate_json(args, result, settings: dict, baseline, speedups: list[float]) -> dict:
-    """`generate --json`'s one object: the answer, its statistics, and with --compare the autoregressive run's."""
+def _generate_json(args, result, settings: dict, baseline, speedups: list[float], per_run: dict) -> dict:
+    """`generate --json`'s one object: the answer, its statistics, and with --compare the last autoregressive run's,
+    each pair's speedup (the ratio of its tokens per second) and each run's tokens per second."""
     out = {
         "prompt": args.prompt,
         "prompt_ids": result.prompt_ids,
@@ -272,6 +279,7 @@ def _generate_json(args, result, settings: dict, baseline, speedups: list[float]
         out["autoregressive"] = baseline.summary()
         out["speedup"] = statistics.median(speedups)
         out["speedups"] = speedups
+        out["tokens_per_second"] = {way: per_run[way] for way in ("speculative", "autoregressive")}
         out["identical_to_autoregressive"] = baseline.tokens == result.tokens
         out["first_difference"] = first_difference(baseline.tokens, result.tokens)
     return out
@@ -288,8 +296,8 @@ def _generate_line(args, result, baseline, speedups: list[float]) -> str:
     if differs is not None:
         line += f" · differs from autoregressive output from token {differs}"
     if baseline:
-        line += (f" · speedup {statistics.median(speedups):.2f}× over autoregressive (median of {len(speedups)} "
-                 f"alternated pairs, range {min(speedups):.2f}–{max(speedups):.2f}; "
+        line += (f" · speedup {statistics.median(speedups):.2f}× in tok/s over autoregressive (median of "
+                 f"{len(speedups)} alternated pairs, range {min(speedups):.2f}–{max(speedups):.2f}; "
                  f"{baseline.tokens_per_second:.1f} tok/s)")
     return line + "]"
 
@@ -534,6 +542,22 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     p.add_argument("--plot", type=Path, help="also draw the exit mass by depth of every drafter as a PNG here")
     p.add_argument("--no-progress", action="store_true")
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    drafter_option(p)
+    p.add_argument("--budget", type=budget_option, default="auto", metavar="B|auto|auto:B",
+                   help="draft tokens per tree, as in generate (default auto)")
+    p.add_argument("--verifier", default="tev", choices=VERIFIERS)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=integer(1, 65535), default=8000)
+    p.add_argument("--name", type=text("model name"), help="the model id clients see (default: the model's name)")
+    p.add_argument("--api-key", type=text("API key"),
+                   help="require Authorization: Bearer KEY on /v1 and /metrics (default: none)")
+    p.add_argument("--max-queue", type=integer(1, 10_000), default=16,
+                   help="requests admitted at once, the one decoding included; more get HTTP 503 with Retry-After")
+    p.add_argument("--shutdown-timeout", type=real(0.0), default=30.0, metavar="SECONDS",
+                   help="on Ctrl-C or SIGTERM, how long in-flight streams may take to finish before they are cut")
 
 
 def _add_check(p: argparse.ArgumentParser) -> None:

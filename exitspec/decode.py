@@ -65,7 +65,7 @@ class GenerationResult:
     stage_seconds: dict[str, float]
     prefill_seconds: float
     total_seconds: float  # prefill included
-    stopped_by: str  # "stop_token", "max_new_tokens", "max_rounds" or "context"
+    stopped_by: str  # "stop_token", "max_new_tokens", "max_rounds", "context" or "cancelled"
     forward_config: dict = field(default_factory=dict)  # TargetModel.forward_config() of the run's target
 
     @property
@@ -286,12 +286,14 @@ class SpeculativeDecoder:
         max_rounds: int | None = None,
         on_round: Callable[[RoundTrace], None] | None = None,
         learn: bool = True,
+        cancel: Callable[[], bool] | None = None,
     ) -> GenerationResult:
         """Generates up to max_new_tokens (and at most max_rounds rounds); the output has exactly the (warped)
         target distribution. `budget` is B (at most B draft tokens per tree, always filled if the drafter can),
         "auto" or "auto:B" (each round the tree size up to B, default 32, with the most expected tokens per
         second; see budget.py). `on_round` sees every round's tree, target distribution and verdict. `learn=False`
-        keeps this answer out of the suffix memory even where the decoder learns (a warm-up run)."""
+        keeps this answer out of the suffix memory even where the decoder learns (a warm-up run). `cancel` is asked
+        before every round; True ends the run there (stopped_by "cancelled", not learned): a server's client left."""
         params = SamplingParams(temperature, top_k, top_p)
         check_verifier(verifier, params)
         budget = parse_budget(budget)
@@ -307,6 +309,9 @@ class SpeculativeDecoder:
         prefill_seconds = timer.elapsed()  # a sync, once a sequence: the prefill's own time, not the first round's
         context, rounds = list(prompt_ids), []  # the token ids so far, on the host; its last one roots the next tree
         while not run.done:
+            if cancel is not None and cancel():
+                run.stopped_by = "cancelled"
+                break
             with timer.round():
                 stats = self._round(run, context, rules, timer, on_round)
             if stats is None:
@@ -316,7 +321,7 @@ class SpeculativeDecoder:
                 run.stopped_by = "max_rounds"
                 break
         result = _finish_run(self.target, run, prompt_ids, rounds, timer, prefill_seconds)
-        learned = self.learn and learn
+        learned = self.learn and learn and run.stopped_by != "cancelled"
         if learned:
             self.drafter.learn(run.tokens)
         if self.warm_start:
@@ -430,12 +435,22 @@ def generate_autoregressive(
         if target.cache_len + 1 >= target.max_context:
             run.stopped_by = "context"
             break
-        with timer("target"):
-            logits = target.forward_tokens(torch.tensor([token], device=target.device)).logits  # [1, V]
+        with timer("target"):  # the token goes over from the host, checked there; the logits are screened below
+            logits = target.forward_tokens(torch.tensor([token]), check=False).logits  # [1, V]
         with timer("verify"):
-            token = WarpedRows(logits[-1:], params).draw(0, generator)
+            token = _draw_screened(target, logits, params, generator)
         rounds.append(RoundStats(0, 0, run.emit([token]), 0.0))
     return _finish_run(target, run, prompt_ids, rounds, timer, prefill_seconds)
+
+
+def _draw_screened(target: TargetModel, logits: Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """An autoregressive step's token drawn from logits [1, V], read to the host together with the logits'
+    finiteness: the step's one host read. Non-finite logits roll the step back and raise."""
+    drawn = WarpedRows(logits, params, check=False).draw(0, generator)  # [] on the device
+    token, finite = torch.stack([drawn, all_finite(logits).long()]).tolist()
+    if not finite:
+        target.reject(logits, "token", appended=1)
+    return token
 
 
 def _start_run(target: TargetModel, prompt, max_new_tokens, stop_tokens, stream, chat):

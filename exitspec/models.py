@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from exitspec.atomic import atomic_folder
 from exitspec.lean import supports_config
 from exitspec.quant import supports_config as quant_supports
 from exitspec.settings import DEFAULT_MODEL, DTYPES, QUANTIZED, check_device_name, native_bf16
@@ -29,17 +28,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def cache_dir() -> Path:
     """Root of exitspec's cache: $EXITSPEC_CACHE if set, else ~/.cache/exitspec."""
     return Path(os.environ.get("EXITSPEC_CACHE") or Path.home() / ".cache" / "exitspec")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Writes `text` to `path` through a temporary sibling renamed into place: a reader never sees half a file,
-    nor does a process killed while writing leave one, and of two writers at once the last one's file stays."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def default_model_path() -> Path:
@@ -204,9 +192,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     The folder is built in a temporary sibling and renamed into place, so a reader never sees half a model.
     Two processes converting at once both build; the first rename wins and the other copy is discarded.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with atomic_folder(target, replace=False) as tmp:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The weights are dequantized at load time; dropping the GGUF quantizer makes them plain fp32 tensors
@@ -217,12 +203,4 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary readable folder
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            f.chmod(0o644)  # the cache is an ordinary readable folder

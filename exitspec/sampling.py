@@ -199,12 +199,12 @@ class WarpedRows:
             return self._all.index_select(0, node.view(1))[0]
         return self.warp(self.logits.index_select(0, node.view(1)))[0]
 
-    def draw(self, node: int, generator: torch.Generator | None = None) -> int:
-        """One draw from p_node, read to the host: an autoregressive step's token. A greedy row is one-hot at its
-        first argmax, so that is the draw."""
+    def draw(self, node: int, generator: torch.Generator | None = None) -> Tensor:
+        """One draw from p_node, [] int64 on the logits' device (no host read): an autoregressive step's token. A
+        greedy row is one-hot at its first argmax, so that is the draw."""
         if self.params.greedy:
-            return int(self.logits[node].argmax())
-        return int(sample_rows(self.warp(self.logits[node : node + 1]), generator)[0])
+            return self.logits[node].argmax()
+        return sample_rows(self.warp(self.logits[node : node + 1]), generator)[0]
 
     def all(self) -> Tensor:
         """[N+1, V]: every row (what predraw and sequential read), warped once."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -44,7 +45,13 @@ def all_finite(logits: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class TreeForward:
     logits: Tensor  # [n, V] float32, one row per input token (tree node)
-    features: Tensor | None  # [n, F] concatenated hidden states of the feature layers, None without any
+    taps: tuple[Tensor, ...]  # [n, D] each: the hidden states of the feature layers
+
+    @cached_property
+    def features(self) -> Tensor | None:
+        """[n, F] the taps concatenated, None without feature layers; built on first read only, so that a caller
+        that reads none (the autoregressive loop) pays for no copy."""
+        return torch.cat(self.taps, dim=-1) if self.taps else None
 
 
 def cache_argument(model: PreTrainedModel) -> str:
@@ -256,13 +263,14 @@ class TargetModel:
         return self._forward_causal(ids, logits_to_keep=1).features  # no [L, V] logits for a long prompt
 
     @torch.inference_mode()
-    def forward_tokens(self, ids: Tensor, logits_to_keep: int = 0) -> TreeForward:
+    def forward_tokens(self, ids: Tensor, logits_to_keep: int = 0, check: bool = True) -> TreeForward:
         """Plain causal step(s): appends ids [n] to the cache; logits [n, V] (of the last `logits_to_keep` tokens
-        only, where that is not 0) and features [n, F] | None."""
+        only, where that is not 0) and features [n, F] | None. `check` screens the logits (a host read); the
+        autoregressive loop screens them in its step's one read instead (`reject` with `appended`)."""
         ids = self._check_ids(ids)
         if ids.numel() == 0:
             raise ValueError("forward_tokens needs at least one token")
-        return self._forward_causal(ids, logits_to_keep, check="token")
+        return self._forward_causal(ids, logits_to_keep, check="token" if check else None)
 
     @torch.inference_mode()
     def forward_tree(self, tree: DraftTree, check: bool = True, logits_to_keep: int = 0) -> TreeForward:
@@ -330,23 +338,24 @@ class TargetModel:
         logits, taps = self.backend.forward(ids, pos, visible, logits_to_keep)  # [n, V] float32, [n, D] each
         if check is not None and not bool(all_finite(logits)):
             self.reject(logits, check)
-        features = torch.cat(taps, dim=-1) if taps else None  # [n, F]
-        return TreeForward(logits, features)
+        return TreeForward(logits, tuple(taps))
 
-    def reject(self, logits: Tensor, what: str) -> None:
-        """Rolls back the forward that made non-finite `logits` [n, V] and raises ValueError naming the first
-        bad row (a `what`: node or token)."""
+    def reject(self, logits: Tensor, what: str, appended: int = 0) -> None:
+        """Rolls back the forward that made non-finite `logits` [n, V] (a pending tree, or the `appended` tokens
+        of an unchecked forward_tokens) and raises ValueError naming the first bad row (a `what`: node or token)."""
         bad = ~torch.isfinite(logits.sum(dim=-1))  # [n]
+        self._len -= appended
         self.discard()
         raise ValueError(f"target produced non-finite logits at {what} {int(torch.nonzero(bad)[0])}")
 
     def _check_ids(self, ids: Tensor) -> Tensor:
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        """ids [n] on the target's device, checked where they are: ids from the host cost no device read."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
         if ids.dim() != 1:
             raise ValueError(f"token ids must be 1-D [n] (one sequence), got shape {tuple(ids.shape)}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
-        return ids
+        return ids.to(self.device)
 
     def _check_idle(self) -> None:
         if self._pending is not None:

@@ -28,10 +28,11 @@ from pathlib import Path
 
 from transformers import PretrainedConfig
 
+from exitspec.atomic import write_atomic
 from exitspec.budget import AutoBudget
 from exitspec.drafters import Drafter
 from exitspec.drafters.suffix import tokenizer_digest
-from exitspec.models import cache_dir, write_atomic
+from exitspec.models import cache_dir
 from exitspec.sampling import SamplingParams
 from exitspec.target import TargetModel
 

@@ -197,3 +197,42 @@ def test_calibrate_measures_again_and_prints_the_grid(tmp_path, monkeypatch, cap
     out = capsys.readouterr().out
     assert "one step:" in out and "other processes used" in out and "row plan" in out
     assert out.splitlines()[1].split()[1:] == [str(n) for n in range(9)]  # N = 0..8 measured
+
+
+def test_compare_alternates_its_runs_and_divides_tokens_per_second(tmp_path, monkeypatch, capsys):
+    """--compare at T = 1: after one warm-up of each loop the runs alternate S A S A S A, and each pair's speedup is
+    the ratio of the two runs' tokens per second, not of their seconds, since the answers differ in length (here
+    the autoregressive ones are cut to a third, so that they surely do)."""
+    import dataclasses
+
+    from tiny_models import save_tiny_llama, save_word_tokenizer
+
+    from exitspec.decode import SpeculativeDecoder
+
+    monkeypatch.setenv("EXITSPEC_CACHE", str(tmp_path / "cache"))
+    save_tiny_llama(tmp_path / "model")
+    save_word_tokenizer(tmp_path / "model")
+    order, speculative, autoregressive = [], SpeculativeDecoder.generate, SpeculativeDecoder.autoregressive
+
+    def logged_speculative(self, *args, **kwargs):
+        order.append("S")
+        return speculative(self, *args, **kwargs)
+
+    def shorter_autoregressive(self, *args, **kwargs):
+        order.append("A")
+        result = autoregressive(self, *args, **kwargs)
+        return dataclasses.replace(result, tokens=result.tokens[: len(result.tokens) // 3 + 1])
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", logged_speculative)
+    monkeypatch.setattr(SpeculativeDecoder, "autoregressive", shorter_autoregressive)
+    assert main(["generate", "w3 w4 w5", "--model", str(tmp_path / "model"), "--device", "cpu", "--budget", "6",
+                 "--temperature", "1", "--max-new-tokens", "24", "--compare", "--repeats", "3", "--json",
+                 "--no-warm-start"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert order == ["S", "A"] + ["S", "A"] * 3
+    rates = out["tokens_per_second"]
+    assert out["speedups"] == pytest.approx([s / a for s, a in zip(rates["speculative"], rates["autoregressive"])])
+    assert out["speedup"] == pytest.approx(sorted(out["speedups"])[1])  # the median of three
+    last = out["autoregressive"]
+    assert last["new_tokens"] < out["stats"]["new_tokens"]
+    assert last["tokens_per_second"] == pytest.approx(rates["autoregressive"][-1])

@@ -1,5 +1,5 @@
 """The code's shape. Dependencies point one way: the core (tree → flow → verify → build → models → target →
-decode, with drafters, train and hf) → app (load_decoders) → the commands (inspect, bench, train.cli) → cli.
+decode, with drafters, train and hf) → app (load_decoders) → the commands (exits, serve, bench, train.cli) → cli.
 Parsed from the source, so an upward import, a cycle or a long function fails here before it confuses a reader."""
 
 import ast
@@ -8,7 +8,7 @@ from pathlib import Path
 import exitspec
 
 ROOT = Path(exitspec.__file__).parent
-COMMANDS = ("exitspec.inspect", "exitspec.train.cli", "exitspec.bench")  # above app: what a command runs
+COMMANDS = ("exitspec.exits", "exitspec.serve", "exitspec.train.cli", "exitspec.bench")  # above app: what a command runs
 CLI = ("exitspec.cli", "exitspec.options")  # the command line; `options` is its option groups
 
 

@@ -188,6 +188,18 @@ def test_autoregressive_baseline_equals_generate(model):
     assert out.tokens == expected[0, len(PROMPT) :].tolist() and out.tau == 1.0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_autoregressive_steps_refuse_non_finite_logits_in_their_one_read(temperature):
+    """The step's one host read carries the logits' finiteness with the token: NaN logits end the run with one
+    error naming the token row, and the step is rolled back out of the cache."""
+    broken = tiny_llama(VOCAB)
+    broken.lm_head.weight[3, 0] = float("nan")
+    target = TargetModel(broken)
+    with pytest.raises(ValueError, match="non-finite logits at token 0"):
+        generate_autoregressive(target, PROMPT, 5, temperature=temperature, stop_tokens=())
+    assert target.cache_len == len(PROMPT) - 1 and target.backend.length == len(PROMPT) - 1
+
+
 def test_stats_are_consistent(model):
     decoder = SpeculativeDecoder(TargetModel(model), RandomTreeDrafter(VOCAB))
     out = decoder.generate(PROMPT, 50, temperature=1.0, budget=8, seed=0, stop_tokens=())

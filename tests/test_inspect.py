@@ -12,8 +12,8 @@ from exitspec.cli import main
 from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters import load_drafter
 from exitspec.drafters.dflash_model import DFlashModel
+from exitspec.exits import best_tree, tree_layout
 from exitspec.flow import tree_flow
-from exitspec.inspect import best_tree, tree_layout
 from exitspec.models import load_model_and_tokenizer
 from exitspec.sampling import SamplingParams
 from exitspec.target import TargetModel

@@ -13,7 +13,7 @@ For each target shape, in bf16 (fp32 with --tiny on a CPU):
                 target's forward, as a share of the round
     projected   SR from a τ measured on the CPU: τ · t(step) / t(round at B = 32)
 
-and Table 3 (the verifier decision's latency, bench/verifier.py) on synthetic trees at V = 151,936. The tree
+and Table 3 (the verifier decision's latency, bench/latency.py) on synthetic trees at V = 151,936. The tree
 forward runs eager: CUDA graphs for it are not built yet, so the record says so instead of a number.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from exitspec.bench import verifier
+from exitspec.bench import latency
 from exitspec.bench.forward import bushy_tree, target_stage_seconds
 from exitspec.bench.rounds import count_rounds
 from exitspec.bench.runner import cpu_name
@@ -130,7 +130,7 @@ def record(device: torch.device, tiny: bool, out: Path) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     vocab = 4096 if tiny else 151_936
-    result["table3"] = verifier.measure(device=str(device), budgets=[16, 32, 64], temperatures=[1.0, 0.6],
+    result["table3"] = latency.measure(device=str(device), budgets=[16, 32, 64], temperatures=[1.0, 0.6],
                                         prompts=2 if tiny else 4, repeats=5 if tiny else 50, warmup=2,
                                         synthetic=True, vocab=vocab)
     out.mkdir(parents=True, exist_ok=True)

@@ -337,7 +337,7 @@ def main_table_markdown(table: dict) -> list[str]:
 
 
 def verifier_markdown(result: dict) -> str:
-    """Markdown of exitspec.bench.verifier's result (the paper's Table 3): decision and verify-stage latency."""
+    """Markdown of exitspec.bench.latency's result (the paper's Table 3): decision and verify-stage latency."""
     setting = (f"{result['mode']}; device {result['device']}, {result['threads']} threads, V = {result['vocab']}, "
                f"depth {result['depth']}, {result['pairs_per_budget']} trees x {result['repeats']} repeats, "
                f"top-p {result['top_p']}")

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +34,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from exitspec.atomic import atomic_folder
 from exitspec.drafters.vocab import check_draft_vocab
 from exitspec.jsonfiles import read_json
 from exitspec.lean import rms_norm
@@ -510,24 +509,11 @@ class DFlashModel(nn.Module):
         folder = Path(folder)
         if folder.exists() and not {p.name for p in folder.iterdir()} <= {CONFIG_NAME, WEIGHTS_NAME}:
             raise FileExistsError(f"{folder} exists and holds other files; refusing to replace it")
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-        try:
-            os.chmod(tmp, 0o755)
+        with atomic_folder(folder) as tmp:
             (tmp / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
             tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
             save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
             os.chmod(tmp / WEIGHTS_NAME, 0o644)  # readable like config.json (safetensors writes 0600)
-            if folder.exists():
-                old = tmp.with_name(tmp.name + "-old")
-                folder.rename(old)
-                tmp.rename(folder)
-                shutil.rmtree(old)
-            else:
-                tmp.rename(folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
 
 
 def block_attention_mask(ctx_lens: Tensor, block_size: int, ctx_len: int, window: int | None = None) -> Tensor:

@@ -21,7 +21,6 @@ k, contexts [M_k, k] and next tokens [M_k, width] (int32, −1 pads) with their 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from exitspec.atomic import atomic_file
 from exitspec.build import build_best_first
 from exitspec.tree import DraftTree
 
@@ -152,7 +152,6 @@ class NgramTable:
 
     def save(self, path: str | Path) -> None:
         """Writes the table as safetensors, atomically (a temporary file renamed into place)."""
-        path = Path(path)
         tensors = {}
         for k, rows in enumerate(self.rows, start=1):
             keys = sorted(rows)  # one file for one table, whatever order it was built in
@@ -162,11 +161,8 @@ class NgramTable:
                 f"tokens_{k}": torch.from_numpy(self.tokens[k - 1][index]),
                 f"probs_{k}": torch.from_numpy(self.probs[k - 1][index]),
             }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(tensors, tmp, metadata={"orders": str(self.orders), "vocab_size": str(self.vocab_size)})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            save_file(tensors, tmp, metadata={"orders": str(self.orders), "vocab_size": str(self.vocab_size)})
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int) -> NgramTable:

@@ -24,7 +24,6 @@ checked on load. Beyond `max_tokens` stored tokens the oldest answers are droppe
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from exitspec.atomic import atomic_file
 from exitspec.build import ranked_tree
 from exitspec.calibrate import SourceMerge, lookup_bins, lookup_calibrator
 from exitspec.tree import DraftTree
@@ -116,19 +116,14 @@ class SuffixMemory:
     def save(self, path: str | Path, tokenizer: str) -> None:
         """Writes the answers as safetensors, atomically (a temporary file renamed into place); `tokenizer` is
         its digest (tokenizer_digest), checked by `restore`."""
-        path = Path(path)
         flat = [t for _, tokens in self.answers for t in tokens]
         starts = [0]
         for _, tokens in self.answers:
             starts.append(starts[-1] + len(tokens))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(
-            {"tokens": torch.tensor(flat, dtype=torch.int32), "starts": torch.tensor(starts[:-1], dtype=torch.int64)},
-            tmp, metadata={"vocab_size": str(self.vocab_size), "tokenizer": tokenizer},
-        )
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        tensors = {"tokens": torch.tensor(flat, dtype=torch.int32),
+                   "starts": torch.tensor(starts[:-1], dtype=torch.int64)}
+        with atomic_file(path) as tmp:
+            save_file(tensors, tmp, metadata={"vocab_size": str(self.vocab_size), "tokenizer": tokenizer})
 
     def restore(self, path: str | Path, tokenizer: str) -> None:
         """Adds the answers of a file written by `save` for this tokenizer; a wrong or damaged file is one

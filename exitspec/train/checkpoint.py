@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from exitspec.atomic import replace_folder
 from exitspec.drafters.dflash_model import WEIGHTS_NAME, DFlashModel
 from exitspec.models import check_safetensors
 from exitspec.train.dist import Dist, barrier
@@ -62,9 +63,7 @@ def save_checkpoint(
         tensors, groups = optimizer_to_flat(optimizer, drafter)
         save_file(tensors, tmp / OPTIMIZER_NAME, metadata={"format": "pt"})
         _write_json(tmp / STATE_NAME, {**state, "world_size": d.world, "optimizer_groups": groups})
-        if final.exists():  # the same step saved again by a rerun from an older checkpoint
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        replace_folder(tmp, final)  # an existing one: the same step saved again by a rerun from an older checkpoint
         for old in sorted(folder.glob(f"{PREFIX}*"), key=lambda p: p.name)[:-keep]:
             shutil.rmtree(old)
     barrier()

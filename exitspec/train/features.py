@@ -20,7 +20,6 @@ rollout already in a complete shard. fp16 halves the disk (about 1.2 GB per mill
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from exitspec.atomic import atomic_file
 from exitspec.models import check_safetensors
 from exitspec.train.dflash_loss import features_and_logits, target_features
 from exitspec.train.rollouts import META_NAME, Rollout, check_folder_meta
@@ -80,9 +80,8 @@ def cache_features(
                     tensors[f"{r.id}#i"] = top[1][row, :n].to("cpu", torch.int32).contiguous()
             bar.update(len(batch))
         path = folder / f"shard-{shard_no:05d}.safetensors"
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            save_file(tensors, tmp)
         shard_no += 1
     bar.close()
     return len(todo)

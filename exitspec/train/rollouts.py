@@ -31,8 +31,8 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from exitspec.atomic import write_atomic
 from exitspec.jsonfiles import read_json, read_jsonl
-from exitspec.models import write_atomic
 from exitspec.train.generate import LOOP_SPANS, generate_responses
 
 META_NAME = "meta.json"

@@ -2,8 +2,8 @@
 
 For each prompt: one sampled answer by exact speculative decoding (`dflash`, `--budget auto:B`, TEV), at most
 --rounds rounds; for every round, the best tree of each size N <= B for that round's context (the target's own
-best-first tree, `exitspec.inspect.best_tree`). Per set: the drafter's mean C_p, the best trees' mean C*_p at
-the same sizes and at B, and SR* (`exitspec.inspect.ceiling`), beside the same cost model's speed-up of the
+best-first tree, `exitspec.exits.best_tree`). Per set: the drafter's mean C_p, the best trees' mean C*_p at
+the same sizes and at B, and SR* (`exitspec.exits.ceiling`), beside the same cost model's speed-up of the
 drafter's own trees with their drafting free (SR_trees). A context turn (mtbench-revise's first) is answered by
 the autoregressive loop at the same temperature and seed, as `exitspec bench` does.
 
@@ -24,7 +24,7 @@ exitspec.setup_cpu()
 
 from exitspec.app import load_decoders
 from exitspec.data import load_dataset
-from exitspec.inspect import best_coverages, ceiling, describe, inspect_rounds, summarize
+from exitspec.exits import best_coverages, ceiling, describe, inspect_rounds, summarize
 from exitspec.sampling import SamplingParams
 
 

@@ -12,7 +12,7 @@ import exitspec
 exitspec.setup_cpu()
 from exitspec.app import load_decoders
 from exitspec.data import load_dataset
-from exitspec.inspect import best_trees, inspect_rounds
+from exitspec.exits import best_trees, inspect_rounds
 from exitspec.sampling import SamplingParams
 
 dec = load_decoders(None, ["dflash"], "cpu", "auto", 2, "auto", warm_start=False, learn=False)["dflash"]
