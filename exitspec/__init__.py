@@ -1,7 +1,7 @@
-"""exitspec: exact tree speculative decoding. Dependencies point one way (tests/test_imports.py): the core (tree ->
-flow -> verify -> build -> models -> target -> decode, with drafters, hf and train beside it) -> app (decoders
-from options) -> the commands (inspect, bench, train.cli) -> cli. Importing it changes nothing; `setup_cpu()` is
-the one CPU setting it recommends."""
+"""exitspec: exact tree speculative decoding. Dependencies point one way (tests/test_code_shape.py): the core (tree
+-> flow -> verify -> build -> models -> target -> decode, with drafters, hf and train beside it) -> app (decoders
+from options) -> the commands (commands, exits, serve, bench, train.cli) -> cli. Importing it changes nothing;
+`setup_cpu()` is the one CPU setting it recommends."""
 
 import os
 from pathlib import Path

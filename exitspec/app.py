@@ -49,7 +49,7 @@ def load_decoders(
     dtype (`device` and `dtype` must then be left out or agree). `weight_copies`: the row plan may lay the
     weights out again where that is faster (each layout a full copy; TargetModel); default yes for a folder,
     no for a loaded model, which the caller keeps using and should not pay for twice. drafters: specs of
-    `drafters.load_drafter` ('dflash', 'exittrain', 'ngram', a checkpoint folder, chain:SPEC), each checked
+    `drafters.load_drafter` ('dflash', 'ngram', 'suffix', a checkpoint folder, chain:SPEC), each checked
     against the target; each decoder's TargetModel taps exactly the layers its drafter reads. `lookup`: the
     DFlash drafters' corpus-lookup table (load_drafter: auto, none or a path). Each decoder is calibrated
     for the largest of `budgets` (`SpeculativeDecoder.calibrate`: one cost grid, the same row plan on every
@@ -69,8 +69,8 @@ def load_decoders(
     cap = max(DENSE, *(budget_cap(parse_budget(b)) for b in budgets)) if budgets else None
     decoders, cost = {}, None
     for spec in dict.fromkeys(drafters):
-        decoders[spec] = SpeculativeDecoder.from_model(hf_model, tokenizer, spec, lookup, None, warm_start, learn, copies,
-                                                       cap, cost)
+        decoders[spec] = SpeculativeDecoder.from_model(hf_model, tokenizer, spec, lookup, None, warm_start, learn,
+                                                       copies, cap, cost)
         cost = decoders[spec].costs.get(cap)
     return decoders
 

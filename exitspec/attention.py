@@ -14,11 +14,12 @@ then its ancestors-or-self in depth order) as
     out = Σ_j w_j v_j / Σ_j w_j     (in order of j),
 
 in fp32 (the lean forward keeps its cache in float32 for it, the keys transposed, so no call converts the cache),
-with one fixed sequence of float operations per number: vectorised across keys for the scores and across d for the sums, never across the order of a sum; FMA contraction off, so a vector
-lane and a loop's scalar tail round alike; exp as plain arithmetic (a libm call differs between its vector and
-scalar versions). A one-token step lays out the same keys in the same order in its cache, so it computes the
-same bits. Together with products that are invariant in the row count (lean.LeanLlama.linear runs bf16 products
-on 2 rows or more) a tree's logits equal the one-token steps' bit for bit (tests/test_attention.py).
+with one fixed sequence of float operations per number: vectorised across keys for the scores and across d for the
+sums, never across the order of a sum; FMA contraction off, so a vector lane and a loop's scalar tail round alike;
+exp as plain arithmetic (a libm call differs between its vector and scalar versions). A one-token step lays out the
+same keys in the same order in its cache, so it computes the same bits. Together with products that are invariant in
+the row count (lean.LeanLlama.linear runs bf16 products on 2 rows or more) a tree's logits equal the one-token steps'
+bit for bit (tests/test_attention.py).
 
 The extension is compiled on first use (extensions.py; ~30 s, cached under torch's extensions folder, one build
 per version of the source).

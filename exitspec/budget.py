@@ -2,8 +2,8 @@
 
 A round with a tree of N draft tokens emits 1 + C_p(T) tokens in expectation (Eq. 5; exact for every
 saturated verifier) and costs the draft plus the target stage (tree forward, verification, commit). With
-the builder's nodes u_1, u_2, ... in best-first order and P̂(u_k) the calibrated estimate of P(u_k)
-(calibrate.py), the round keeps the first N nodes for
+the builder's nodes u_1, u_2, ... in best-first order and P̂(u_k) the learned estimate of P(u_k)
+(estimates.py), the round keeps the first N nodes for
 
     N* = argmax_{0 ≤ N ≤ B}  (1 + Σ_{k≤N} P̂(u_k)) / (cost(N) + draft cost)
 
@@ -47,17 +47,15 @@ from pathlib import Path
 
 import psutil
 import torch
-import torch.nn.functional as F
 
 from exitspec.atomic import write_atomic
-from exitspec.lean import Panels, layouts_for
+from exitspec.lean import PLAN_GAIN, layouts_for
 from exitspec.models import cache_dir
-from exitspec.timing import fastest, timings
+from exitspec.timing import timings
 from exitspec.tree import DraftTree
 
 DENSE = 32  # every tree size up to this is measured
 SPARSE = (48, 64, 96, 128, 192, 256)  # and these beyond it
-PLAN_GAIN = 0.05  # a tree runs another way (another layout, more rows) only if it is measured this much cheaper
 EXPLORE_EVERY = 8
 MAX_EXPLORE_EVERY = 256
 MEASURE_VERSION = 7  # part of the cost cache's key: files from an older `measure` are measured again
@@ -136,8 +134,10 @@ class CostModel:
                 spreads += [sorted(t)[1] / min(t) - 1 for t in times if len(t) > 1]
         target.use_row_plan(plan)
         best = [min(ways, key=lambda way: seconds[way][i]) for i in range(len(sizes))]
-        best = [way if seconds[way][i] < (1 - PLAN_GAIN) * seconds["whole"][i] else "whole" for i, way in enumerate(best)]
-        info = {"measured_at": datetime.datetime.now().isoformat(timespec="seconds"), "other_load": round(load["other"], 3),
+        best = [way if seconds[way][i] < (1 - PLAN_GAIN) * seconds["whole"][i] else "whole"
+                for i, way in enumerate(best)]
+        info = {"measured_at": datetime.datetime.now().isoformat(timespec="seconds"),
+                "other_load": round(load["other"], 3),
                 "spread": round(statistics.median(spreads), 3) if spreads else 0.0}
         return cls(sizes, [seconds[way][i] for i, way in enumerate(best)], layouts=best, info=info)
 
@@ -265,17 +265,6 @@ def other_load() -> Iterator[dict[str, float]]:
     wall, system, own = time.perf_counter(), psutil.cpu_times(), psutil.Process().cpu_times()
     others = busy(system) - busy(system0) - (own.user + own.system - own0.user - own0.system)
     share["other"] = min(1.0, max(0.0, others) / max((wall - wall0) * (psutil.cpu_count() or 1), 1e-9))
-
-
-def cheaper_panels(weight: torch.Tensor, rows: int, repeats: int = 5) -> Panels | None:
-    """The weight [D_out, D_in] in Panels if products over `rows` rows measure at least PLAN_GAIN cheaper that
-    way than F.linear on the weight's device (the fastest of `repeats` runs each, after one warm-up); else None."""
-    panels = Panels(weight)
-    x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    whole, panelled = (
-        fastest(product, repeats + 1, weight.device) for product in (lambda: F.linear(x, weight), lambda: panels(x))
-    )
-    return panels if panelled < (1 - PLAN_GAIN) * whole else None
 
 
 def best_size(scores, cost: CostModel, draft_seconds: float, cap: int) -> int:

@@ -13,7 +13,7 @@ pops are the B best nodes and already form a tree listed parents-first.
 - `ranked_tree`: candidates already made (a suffix tree's speculation, a draft model's expansions) with scores
   that never grow along a path, listed best first.
 - `merge_best_first`: the union of several such candidate trees (a model's and a copy source's), ranked by
-  calibrated estimates of each node's reach probability P(u), so the sources compete for one budget.
+  learned estimates of each node's reach probability P(u), so the sources compete for one budget.
 """
 
 from __future__ import annotations

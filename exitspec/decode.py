@@ -26,9 +26,9 @@ from exitspec.budget import DENSE, AutoBudget, CostModel, calibrate
 from exitspec.drafters import Drafter, default_drafter, load_drafter
 from exitspec.flow import frontier, observed_reach
 from exitspec.models import check_loaded, load_model_and_tokenizer
-from exitspec.sampling import SamplingParams, WarpedRows
+from exitspec.sampling import SamplingParams, WarpedRows, finite_rows
 from exitspec.settings import budget_cap, parse_budget
-from exitspec.target import TargetModel, all_finite
+from exitspec.target import TargetModel
 from exitspec.timing import StageTimer
 from exitspec.tree import DraftTree
 from exitspec.verify import DECIDERS, Decision, Verdict, check_verifier
@@ -300,7 +300,7 @@ class SpeculativeDecoder:
         cap = budget_cap(budget)
         auto = self.auto_budget(cap, params) if isinstance(budget, str) and cap > 0 else None  # measured before timing
         rules = _Rules(params, verifier, cap, auto, torch.Generator(device=self.target.device).manual_seed(seed))
-        self.drafter.calibrate_for(params)
+        self.drafter.estimate_for(params)
         if self.warm_start:
             self._warm.load(params, auto, self.learn)  # once per settings in this process (warm.py)
         run, prompt_ids, timer = _start_run(self.target, prompt, max_new_tokens, stop_tokens, stream, chat)
@@ -400,9 +400,10 @@ def _read(target: TargetModel, forward, tree: DraftTree, drafted: DraftTree, row
           generator) -> tuple[Verdict, float, list[float]]:
     """The round's one host read: the exit node and bonus, whether the logits are finite, C_p (Eq. 5), and the
     realised P(u) of the drafted tree's nodes as far as this forward shows them (flow.observed_reach), which
-    the drafter's calibration learns from. Non-finite logits roll the cache back and raise."""
+    the drafter's estimates learns from. Non-finite logits roll the cache back and raise."""
     flow = decision.flow
-    numbers = torch.cat([decision.scalars(), all_finite(forward.logits).view(1), flow.reach, rows.extra_edges()])
+    finite = finite_rows(forward.logits).all().view(1)
+    numbers = torch.cat([decision.scalars(), finite, flow.reach, rows.extra_edges()])
     numbers = numbers.tolist()  # float32: token ids below 2^24 are exact
     (node, bonus, drawable, ok), numbers = numbers[:4], numbers[4:]
     coverage = sum(numbers[1 : tree.size])  # C_p = Σ_{u≠root} P(u) (Eq. 5)
@@ -447,7 +448,7 @@ def _draw_screened(target: TargetModel, logits: Tensor, params: SamplingParams, 
     """An autoregressive step's token drawn from logits [1, V], read to the host together with the logits'
     finiteness: the step's one host read. Non-finite logits roll the step back and raise."""
     drawn = WarpedRows(logits, params, check=False).draw(0, generator)  # [] on the device
-    token, finite = torch.stack([drawn, all_finite(logits).long()]).tolist()
+    token, finite = torch.stack([drawn, finite_rows(logits).all().long()]).tolist()
     if not finite:
         target.reject(logits, "token", appended=1)
     return token

@@ -83,7 +83,8 @@ def inspect_rounds(
     traces: list[RoundTrace] = []
     result = decoder.generate(
         prompt,
-        max_new_tokens=max_new_tokens or rounds * (budget_cap(budget) + 1),  # by default never binds: a round emits <= budget + 1 tokens
+        # by default never binds: a round emits <= budget + 1 tokens
+        max_new_tokens=max_new_tokens or rounds * (budget_cap(budget) + 1),
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
@@ -280,7 +281,8 @@ def plot_rounds(rounds: list[RoundExit], records: list[dict], path: str, plot_ro
     ax_tree.set_yticks([])
     ax_tree.set_xlabel("depth")
     ax_tree.set_title(
-        f"round {plot_round}: N={tree.num_nodes}, τ={rec['tau']}, C_p={rec['coverage']:.2f}, w(root)={rec['exit_root']:.2f}"
+        f"round {plot_round}: N={tree.num_nodes}, τ={rec['tau']}, C_p={rec['coverage']:.2f}, "
+        f"w(root)={rec['exit_root']:.2f}"
         f"\nlabels: the {len(labels)} most-exited nodes (root-to-node text); red: the accepted path",
         fontsize=10,
     )

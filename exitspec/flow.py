@@ -85,7 +85,7 @@ def observed_reach(tree: DraftTree, kept: int, reach: list[float], frontier_edge
     reach [kept] is the head's realised P (Eq. 2); a `frontier` node u gets P(parent) · p_parent(x_u)
     (Eqs. 1–2), its edge read from the parent's row (frontier_edges, in frontier order); deeper cut nodes stay
     NaN (unobserved). The frontier is where `--budget auto` decides whether one more node pays, so its
-    calibration learns there even from rounds that kept no node (kept = 1, reach = [1]).
+    estimates learn there even from rounds that kept no node (kept = 1, reach = [1]).
     """
     parents = tree.parent_list
     out = list(reach) + [float("nan")] * (tree.size - kept)  # [M+1]

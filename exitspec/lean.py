@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from exitspec.attention import IDENTITY, invariant_attention
 from exitspec.settings import native_bf16
+from exitspec.timing import fastest
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PANEL_ROWS = 32  # output rows of a weight panel (Panels)
@@ -100,7 +101,8 @@ class Panels:
         out_rows, in_rows = weight.shape
         whole = out_rows // PANEL_ROWS * PANEL_ROWS  # output rows in full panels
         weight = weight.detach()
-        self.blocks = weight[:whole].reshape(-1, PANEL_ROWS, in_rows).transpose(1, 2).contiguous()  # [P, D_in, PANEL_ROWS]
+        # [P, D_in, PANEL_ROWS]
+        self.blocks = weight[:whole].reshape(-1, PANEL_ROWS, in_rows).transpose(1, 2).contiguous()
         self.rest = weight[whole:]  # [D_out − whole, D_in]: the last, partial panel, multiplied as it is
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -131,6 +133,18 @@ class Packed:
 
 
 LAYOUTS = {"panels": Panels, "packed": Packed}  # ways to lay a weight out besides "whole" (F.linear on it as is)
+PLAN_GAIN = 0.05  # a tree runs another way (another layout, more rows) only if it is measured this much cheaper
+
+
+def cheaper_panels(weight: Tensor, rows: int, repeats: int = 5) -> Panels | None:
+    """The weight [D_out, D_in] in Panels if products over `rows` rows measure at least PLAN_GAIN cheaper that
+    way than F.linear on the weight's device (the fastest of `repeats` runs each, after one warm-up); else None."""
+    panels = Panels(weight)
+    x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    whole, panelled = (
+        fastest(product, repeats + 1, weight.device) for product in (lambda: F.linear(x, weight), lambda: panels(x))
+    )
+    return panels if panelled < (1 - PLAN_GAIN) * whole else None
 
 
 def invariant_by_default(device: torch.device, dtype: torch.dtype) -> bool:
@@ -197,8 +211,9 @@ def _rms(norm: nn.Module, x: Tensor) -> Tensor:
     return rms_norm(x, norm.weight, getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [heads, n, hd] rotated by cos, sin [n, hd] (the rotate-half convention)."""
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [..., heads, n, hd] rotated by cos, sin broadcast against it (the rotate-half convention of HF Llama and
+    Qwen3: x·cos + [−x2, x1]·sin). The target's layers and the DFlash drafter's both rotate here."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -217,7 +232,8 @@ def decoder_layer(
     q, k, v = qkv.view(*lead, n, heads + 2 * kv_heads, hd).split((heads, kv_heads, kv_heads), dim=-2)
     if layer.q_norm is not None:
         q, k = _rms(layer.q_norm, q), _rms(layer.k_norm, k)
-    q, k, v = _rope(q.transpose(-3, -2), cos, sin), _rope(k.transpose(-3, -2), cos, sin), v.transpose(-3, -2)
+    q, k = apply_rope(q.transpose(-3, -2), cos, sin), apply_rope(k.transpose(-3, -2), cos, sin)
+    v = v.transpose(-3, -2)
     out = attend(q, k, v)  # [..., H, n, hd]
     x = x + linear(out.transpose(-3, -2).reshape(*lead, n, heads * hd), layer.o_proj.weight, layer.o_proj.bias)
     gate, up = linear(_rms(layer.post_norm, x), layer.gate_up_weight, None).chunk(2, dim=-1)  # [..., n, I] each
@@ -283,7 +299,8 @@ class LeanLlama:
         self.row_plan = dict(plan)
         used = {layout for _, layout in self.row_plan.values()} - {"whole"}
         weights = [w for layer in self.layers for w in layer.weights()] + [self.lm_head.weight]
-        self.layouts = {layout: self.layouts.get(layout) or LayoutSet.of(self.owner, layout, weights) for layout in used}
+        self.layouts = {layout: self.layouts.get(layout) or LayoutSet.of(self.owner, layout, weights)
+                        for layout in used}
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """F.linear over rows x [n, D_in] → [n, D_out], run as row_plan[n] = (rows, layout) says where it names n:
@@ -347,7 +364,8 @@ class LeanLlama:
             visible = torch.ones(1, 1, dtype=torch.bool, device=ids.device)
         mask = None
         if n > 1 and not invariant:
-            mask = additive_mask(visible, start, x.dtype).repeat(groups, 1)[None, None]  # [1, 1, g·n, L+n], rows in the order of the stacked query heads
+            # [1, 1, g·n, L+n], rows in the order of the stacked query heads
+            mask = additive_mask(visible, start, x.dtype).repeat(groups, 1)[None, None]
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
 
@@ -361,7 +379,8 @@ class LeanLlama:
                 if self.invariant:  # a prefill under the kernel: sdpa in the model's dtype
                     keys, values = (k, v) if start == 0 else (keys.to(self.dtype), values.to(self.dtype))
                 q = q.reshape(1, self.kv_heads, groups * n, self.head_dim)  # heads j·g .. j·g+g-1 share KV head j
-                out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask)  # 4D: CPU's fused kernel
+                # 4D: CPU's fused kernel
+                out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask)
                 return out.view(self.heads, n, self.head_dim)  # [H, n, hd]
 
             x = decoder_layer(layer, x, cos, sin, self.head_shape, attend, self.linear)

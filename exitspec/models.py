@@ -134,7 +134,8 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device, config=None) ->
         return torch.float32  # the model's own copy, for the drafters; TargetModel runs the quantized weights
     if name == "auto":
         lean = config is None or supports_config(config) is None
-        return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and native_bf16() and lean) else torch.float32
+        bf16 = device.type == "cuda" or (device.type == "cpu" and native_bf16() and lean)
+        return torch.bfloat16 if bf16 else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
     return getattr(torch, name)

@@ -28,8 +28,8 @@ is the quantized model: its outputs differ from the fp32 model's as the file's r
 A prompt's prefill (a causal run of 8 rows or more, which speculative and autoregressive decoding share) runs
 the same weights' values in fp32 through the BLAS instead (decoded once at load, 4 bytes a weight): a row-block
 kernel without 8-bit dot instructions wider than AVX2's does a prompt's rows at about 0.6 of the BLAS's speed
-(7.4 against 4.3 ms a token at 335 tokens, docs/results.md). Prefilled keys and values are then the fp32 products', as in the lean forward, whose
-prefill takes sdpa.
+(7.4 against 4.3 ms a token at 335 tokens, docs/results.md). Prefilled keys and values are then the fp32 products', as
+in the lean forward, whose prefill takes sdpa.
 
 Weights come from a GGUF file's own blocks (`gguf_weights`: the default model's Q4_1 file as it is) or from a
 loaded model's float weights quantized here with GGUF's reference quantizers (`QuantLlama(model, "q8_0")`).
@@ -144,7 +144,8 @@ def gguf_weights(path: Path, config) -> dict[str, Blocks]:
         if part[0] == "blk" and part[2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if part[2] == "attn_q" else config.num_key_value_heads
             data = data.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1)
-        out[name] = Blocks(torch.from_numpy(np.array(data)), GGUF_TYPES[kind], rows, cols)  # a writable copy, not a view of the file's mapping
+        # a writable copy, not a view of the file's mapping
+        out[name] = Blocks(torch.from_numpy(np.array(data)), GGUF_TYPES[kind], rows, cols)
     return out
 
 

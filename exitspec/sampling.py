@@ -34,18 +34,25 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def check_logits(logits: Tensor) -> None:
-    """Raises ValueError naming the first row of `logits` [..., V] that no distribution can come from.
+def finite_rows(logits: Tensor) -> Tensor:
+    """[...] bool on the logits' device: which rows of `logits` [..., V] a distribution can come from. The one
+    finite-logits screen, for checked entry points, the target's forwards and the decode loop's host read.
 
     A row may hold -inf entries (a masked vocabulary, a logit processor's ban) as long as its maximum is
     finite; NaN, +inf and all -inf rows are refused. The row maximum screens all three at once (max
     propagates NaN), so valid input costs one reduction.
     """
+    return torch.isfinite(logits.amax(dim=-1))
+
+
+def check_logits(logits: Tensor) -> None:
+    """Raises ValueError naming the first row of `logits` [..., V] that no distribution can come from
+    (finite_rows)."""
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
-    finite_max = torch.isfinite(logits.amax(dim=-1))  # [...]
-    if not bool(finite_max.all()):
-        row = tuple(torch.nonzero(~finite_max)[0].tolist())
+    finite = finite_rows(logits)  # [...]
+    if not bool(finite.all()):
+        row = tuple(torch.nonzero(~finite)[0].tolist())
         raise ValueError(
             f"logits row {row} holds NaN or +inf, or only -inf; refusing to verify against it"
         )
@@ -58,7 +65,8 @@ def target_probs(logits: Tensor, params: SamplingParams, check: bool = True) -> 
         check_logits(logits)
     logits = logits.float()
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)  # one_hot reads on the host
+        # one_hot reads on the host
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     scaled = logits / params.temperature
     if 0 < params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]  # [..., 1]

@@ -250,6 +250,16 @@ class Worker:
         self.metrics.queue_depth.set(self.depth)
         self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * (time.perf_counter() - job.admitted)
 
+    def warm_up(self, budget, verifier: str) -> None:
+        """One-time costs before the first request, on the decoding thread itself (its first tensor ops start
+        that thread's own OpenMP team): a short run per warp, the text stream included."""
+        def runs():
+            for temperature in (0.0, 1.0):  # `auto`'s rates are kept per warp
+                self.decoder.generate("Hi", max_new_tokens=4, temperature=temperature, budget=budget, verifier=verifier,
+                                      stream=lambda text: None, learn=False)
+
+        self.executor.submit(runs).result()
+
     def close(self) -> None:
         """No new requests; the queued ones are dropped and the one decoding ends after its round."""
         self.closing = True
@@ -315,12 +325,14 @@ class OpenAIServer:
         return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "exitspec"}]}
 
     async def chat(self, request: Request):
+        arrived = time.perf_counter()
         body = await _parse(request, ChatRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = _encode(self.decoder, messages, True, "messages")
-        return await self.respond(request, body, ids, "chat.completion", "chatcmpl")
+        return await self.respond(request, body, ids, "chat.completion", "chatcmpl", arrived)
 
     async def completions(self, request: Request):
+        arrived = time.perf_counter()
         body = await _parse(request, CompletionRequest)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -328,10 +340,10 @@ class OpenAIServer:
                 raise ServerError(400, "one prompt a request (a list of prompts would be n > 1)", "prompt")
             prompt = prompt[0]
         ids = _encode(self.decoder, prompt, False, "prompt")
-        return await self.respond(request, body, ids, "text_completion", "cmpl")
+        return await self.respond(request, body, ids, "text_completion", "cmpl", arrived)
 
-    async def respond(self, request: Request, body: Sampled, ids: list[int], kind: str, prefix: str):
-        """Queues the request's job; answers with the whole text, or streams it."""
+    async def respond(self, request: Request, body: Sampled, ids: list[int], kind: str, prefix: str, arrived: float):
+        """Queues the request's job; answers with the whole text, or streams it (`arrived`: its perf_counter)."""
         endpoint = request.url.path
         try:
             job = _job(self.decoder, body, ids, self.budget, self.verifier)
@@ -342,7 +354,7 @@ class OpenAIServer:
         head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.name}
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            events = _events(job, head, kind, include_usage, self.metrics, endpoint, time.perf_counter())
+            events = _events(job, head, kind, include_usage, self.metrics, endpoint, arrived)
             return StreamingResponse(events, media_type="text/event-stream")
         return await _whole(request, job, head, kind, self.metrics, endpoint)
 
@@ -376,7 +388,8 @@ async def _parse(request: Request, schema: type[Sampled]) -> Sampled:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        message = f"the body is not JSON: {first['msg']}" if first["type"] == "json_invalid" else f"{where}: {first['msg']}"
+        invalid = first["type"] == "json_invalid"
+        message = f"the body is not JSON: {first['msg']}" if invalid else f"{where}: {first['msg']}"
         raise ServerError(400, message, None if first["type"] == "json_invalid" else where) from None
 
 
@@ -442,7 +455,7 @@ async def _whole(request: Request, job: Job, head: dict, kind: str, metrics: Met
 
 async def _events(job: Job, head: dict, kind: str, include_usage: bool, metrics: Metrics, endpoint: str,
                   started: float) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; `started`: the request's arrival."""
     kind = "chat.completion.chunk" if kind == "chat.completion" else kind
 
     def chunk(payload: dict, finish: str | None = None, **extra) -> str:
@@ -452,7 +465,7 @@ async def _events(job: Job, head: dict, kind: str, include_usage: bool, metrics:
             choice = {"index": 0, "text": payload.get("content", ""), "logprobs": None, "finish_reason": finish}
         return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **extra})}\n\n"
 
-    first = True
+    first = None
     try:
         if kind == "chat.completion.chunk":
             yield chunk({"role": "assistant", "content": ""})
@@ -462,11 +475,13 @@ async def _events(job: Job, head: dict, kind: str, include_usage: bool, metrics:
                 metrics.requests.labels(endpoint, "ok").inc()
                 yield chunk({}, item.finish_reason)
                 if include_usage:
-                    yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': _usage(item)})}\n\n"
+                    usage = _usage(item)
+                    usage["exitspec"]["first_text_seconds"] = first  # from the request's arrival, None without text
+                    yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': usage})}\n\n"
                 break
-            if first:
-                metrics.first_text_seconds.observe(time.perf_counter() - started)
-                first = False
+            if first is None:
+                first = time.perf_counter() - started
+                metrics.first_text_seconds.observe(first)
             yield chunk({"content": item})
         yield "data: [DONE]\n\n"
     except ServerError as e:
@@ -510,10 +525,9 @@ def run(args) -> int:
     check_budgets([args.budget], args.model, args.device)
     decoder = load_decoders(args.model, [args.drafter], args.device, args.dtype, args.threads, args.lookup,
                             budgets=[args.budget], warm_start=not args.no_warm_start)[args.drafter]
-    for temperature in (0.0, 1.0):  # one-time costs (the auto budget's rates per warp) before the first request
-        decoder.generate("Hi", max_new_tokens=4, temperature=temperature, budget=args.budget, learn=False)
     name = args.name or (DEFAULT_MODEL if args.model is None else str(args.model).rstrip("/").split("/")[-1])
     app = create_app(decoder, name, args.budget, args.verifier, args.max_queue, args.api_key)
+    app.state.server.worker.warm_up(args.budget, args.verifier)
     print(f"exitspec serve: {name} on http://{args.host}:{args.port}/v1 ({decoder.target.precision}, "
           f"drafter {args.drafter}, budget {args.budget})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",

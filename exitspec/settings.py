@@ -1,10 +1,11 @@
 """The values a decoder takes, and their checks: budgets, verifier and dtype names, device names, the default
-model. Standard library only, so that the command line (options.py) checks them before torch loads, and the
-core (decode, app, models, drafters) shares the same rules.
+model; and the CPU it runs on (native_bf16, cpu_name). Standard library only, so that the command line
+(options.py) checks them before torch loads, and the core (decode, app, models, drafters) shares the same rules.
 """
 
 from __future__ import annotations
 
+import platform
 import re
 from functools import cache
 from pathlib import Path
@@ -13,16 +14,18 @@ AUTO = "auto"
 AUTO_CAP = 32  # the largest tree `--budget auto` builds unless given auto:B
 MAX_BUDGET = 4096  # draft tokens per tree: beyond this no tree pays; below it app.check_budgets checks memory
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4_1", "gguf")
-QUANTIZED = ("q8_0", "q4_1", "gguf")  # precisions the quantized forward runs (quant.py): gguf is the model file's own blocks
+# precisions the quantized forward runs (quant.py): gguf is the model file's own blocks
+QUANTIZED = ("q8_0", "q4_1", "gguf")
 VERIFIERS = ("greedy", "predraw", "sequential", "tev")  # the keys of verify.DECIDERS (a test keeps them equal)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DRAFT_MODEL_PREFIXES = ("model:", "layers:")  # drafter specs of draft models: a causal-LM folder, the target's first K layers
+# drafter specs of draft models: a causal-LM folder, the target's first K layers
+DRAFT_MODEL_PREFIXES = ("model:", "layers:")
 DRAFTER_HELP = (
-    "'dflash' (the DFlash drafter shipped for the default model; the default there), 'dflash-v1' (the first "
-    "one), 'exittrain' (dflash-v1 fine-tuned with ExitTrain), 'ngram' (prompt lookup; the default for other models), "
-    "'suffix' (suffix trees over the request and earlier answers), a DFlash checkpoint folder, model:PATH (a small "
-    "causal LM of the target's tokenizer growing dynamic trees), layers:K (the target's first K layers as that draft "
-    "model), or chain:SPEC (the best path of SPEC's trees: plain chain speculative decoding)"
+    "'dflash' (the DFlash drafter shipped for the default model; the default there), 'ngram' (prompt lookup; the "
+    "default for other models), 'suffix' (suffix trees over the request and earlier answers), a DFlash checkpoint "
+    "folder, model:PATH (a small causal LM of the target's tokenizer growing dynamic trees), layers:K (the target's "
+    "first K layers as that draft model), or chain:SPEC (the best path of SPEC's trees: plain chain speculative "
+    "decoding)"
 )
 
 
@@ -62,3 +65,13 @@ def native_bf16() -> bool:
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text().split() if cpuinfo.is_file() else []
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_name() -> str:
+    """This CPU's model name (/proc/cpuinfo's), for the records of a measurement; the platform's own word where
+    there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()

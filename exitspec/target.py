@@ -33,13 +33,8 @@ from transformers.cache_utils import DynamicLayer
 
 from exitspec.lean import LeanLlama, additive_mask, supports
 from exitspec.quant import QuantLlama
+from exitspec.sampling import finite_rows
 from exitspec.tree import DraftTree
-
-
-def all_finite(logits: Tensor) -> Tensor:
-    """[] bool on the device: no NaN or ±inf in logits [n, V]. Either makes the sum non-finite (so would finite
-    logits summing past ±3e38), and a non-finite sum times 0 is NaN."""
-    return logits.sum() * 0 == 0
 
 
 @dataclass(frozen=True)
@@ -167,7 +162,8 @@ class TargetModel:
         if not lean and attn not in ("sdpa", "eager"):  # the lean forward runs its own sdpa whatever the model's
             raise ValueError(f"tree attention needs 'sdpa' or 'eager' attention, the model uses {attn!r}")
         self.weight_copies = weight_copies
-        if backend == "auto":  # the quantized forward where the model was loaded for it (models.load_model_and_tokenizer)
+        # the quantized forward where the model was loaded for it (models.load_model_and_tokenizer)
+        if backend == "auto":
             precision = precision or getattr(model, "exitspec_precision", None)
         if precision is not None:
             self.backend = QuantLlama(model, precision, self.feature_layers)
@@ -336,14 +332,14 @@ class TargetModel:
         the error), non-finite logits roll the cache back and raise.
         """
         logits, taps = self.backend.forward(ids, pos, visible, logits_to_keep)  # [n, V] float32, [n, D] each
-        if check is not None and not bool(all_finite(logits)):
+        if check is not None and not bool(finite_rows(logits).all()):
             self.reject(logits, check)
         return TreeForward(logits, tuple(taps))
 
     def reject(self, logits: Tensor, what: str, appended: int = 0) -> None:
         """Rolls back the forward that made non-finite `logits` [n, V] (a pending tree, or the `appended` tokens
         of an unchecked forward_tokens) and raises ValueError naming the first bad row (a `what`: node or token)."""
-        bad = ~torch.isfinite(logits.sum(dim=-1))  # [n]
+        bad = ~finite_rows(logits)  # [n]
         self._len -= appended
         self.discard()
         raise ValueError(f"target produced non-finite logits at {what} {int(torch.nonzero(bad)[0])}")

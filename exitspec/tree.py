@@ -38,7 +38,8 @@ class DraftTree:
         self.validate()  # a tree that exists is a valid tree, however it was made
 
     @classmethod
-    def from_lists(cls, parents: list[int], tokens: list[int], depths: list[int], scores=None, device=None) -> DraftTree:
+    def from_lists(cls, parents: list[int], tokens: list[int], depths: list[int], scores=None,
+                   device=None) -> DraftTree:
         """A tree made on the host: validated on the lists, then copied to `device` in one copy (no sync back)."""
         lists = (list(parents), [int(t) for t in tokens], list(depths))
         fields = torch.tensor(lists, dtype=torch.long, device=device).unbind()  # one copy: [3, N+1]

@@ -1,13 +1,13 @@
 """Warm start: what a decoder learns while it decodes, kept from one process to the next.
 
-Two things learn online: the drafter's calibrators (calibrate.py: what a node's score is worth in reach
+Two things learn online: the drafter's estimators (estimates.py: what a node's score is worth in reach
 probability P(u), per sampling setting) and `--budget auto`'s running rates (budget.AutoBudget: what a
 round of each kind realised, and when to try the worse kind again). A fresh process would start both from
 their priors, which are cautious, and keep small trees until it has seen a few dozen rounds. So after each
 run a decoder writes both to exitspec's cache, and its first run under the same settings in a later
 process starts from there:
 
-    warm/calibration-<hash>.json   per target model, drafter, device type, dtype and sampling settings
+    warm/estimates-<hash>.json     per target model, drafter, device type, dtype and sampling settings
     warm/auto-<hash>.json          the same, and the budget's cap
     warm/suffix-<hash>.safetensors per target model: its earlier answers, which suffix drafting copies from
                                    (drafters/suffix.py; checked against the tokenizer on load)
@@ -40,7 +40,7 @@ VERSION = 1  # of the files' layout: a file of another version is replaced
 
 
 def key(kind: str, target: TargetModel, drafter: Drafter, params: SamplingParams, cap: int | None = None) -> dict:
-    """What a learned state of `kind` ("calibration" or "auto") belongs to: the target (sha256 of its full
+    """What a learned state of `kind` ("estimates" or "auto") belongs to: the target (sha256 of its full
     config), the drafter's identity, the device type, the dtype, the sampling settings and, for `--budget
     auto`'s rates, the cap."""
     fields = {
@@ -62,7 +62,8 @@ def model_digest(config: PretrainedConfig) -> str:
 
 
 def memory_path(config: PretrainedConfig) -> Path:
-    """The file of the suffix memory of the target with this config: cache_dir()/warm/suffix-<model_digest>.safetensors."""
+    """The file of the suffix memory of the target with this config:
+    cache_dir()/warm/suffix-<model_digest>.safetensors."""
     return cache_dir() / "warm" / f"suffix-{model_digest(config)}.safetensors"
 
 
@@ -115,9 +116,9 @@ class WarmStart:
         return self._tokenizer
 
     def parts(self, params: SamplingParams, auto: AutoBudget | None) -> list[tuple[dict, Callable, Callable]]:
-        """(key, state getter, state loader) of the drafter's calibration and, under `--budget auto`, its rates."""
+        """(key, state getter, state loader) of the drafter's estimates and, under `--budget auto`, its rates."""
         target, drafter = self.target, self.drafter
-        parts = [(key("calibration", target, drafter, params), drafter.calibration_state, drafter.load_calibration)]
+        parts = [(key("estimates", target, drafter, params), drafter.estimates_state, drafter.load_estimates)]
         if auto is not None:
             parts.append((key("auto", target, drafter, params, auto.cap), auto.state, auto.restore))
         return parts

@@ -13,9 +13,10 @@
 #   bash scripts/exittrain-verdict.sh            # every stage in order; rerun it to resume after an interruption
 #   bash scripts/exittrain-verdict.sh eval       # one stage: pilot | arms | eval | record
 #
-# pilot: the power statement before any training: the same evaluation (20 prompts a set) of `dflash-v1`
-#        against `dflash`, paired by prompt as the arms will be; two unrelated drafters differ prompt by prompt
-#        more than two fine-tunings of one init, so its standard error bounds the arms' from above.
+# pilot: the power statement before any training: the same evaluation (20 prompts a set) of `dflash-v1` (the
+#        first drafter, no longer shipped: restored from git history into runs/) against `dflash`, paired by
+#        prompt as the arms will be; two unrelated drafters differ prompt by prompt more than two fine-tunings
+#        of one init, so its standard error bounds the arms' from above.
 #        power.txt: the smallest relative change it detects, at 20 and at PROMPTS prompts a set.
 # arms:  the two fine-tunings (each resumes from its newest checkpoint; a finished one is skipped).
 # eval:  the init, the control and ExitTrain, paired (ExitTrain minus each), with the exit mass by depth.
@@ -40,9 +41,13 @@ mkdir -p "$OUT"
 
 source scripts/timed.sh
 
+V1=runs/dflash-v1
 pilot() {
-    mkdir -p "$OUT/pilot"
-    exitspec train eval --drafters dflash-v1 dflash "${EVAL[@]}" --num-prompts "$PILOT_PROMPTS" \
+    mkdir -p "$OUT/pilot" "$V1"
+    for f in config.json model.safetensors; do
+        [ -s "$V1/$f" ] || git show "b11d43d:exitspec/assets/dflash-v1-smollm2-135m-instruct/$f" > "$V1/$f"
+    done
+    exitspec train eval --drafters "$V1" dflash "${EVAL[@]}" --num-prompts "$PILOT_PROMPTS" \
         --out "$OUT/pilot/heldout.json" > "$OUT/pilot/heldout.txt"
 }
 

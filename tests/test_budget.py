@@ -1,4 +1,4 @@
-"""`--budget auto`: parsing, the cost model, the tree-size rule, calibration and the merge of sources."""
+"""`--budget auto`: parsing, the cost model, the tree-size rule, the estimates of P(u) and the merge of sources."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from tiny_models import tiny_llama
 
 from exitspec.budget import EXPLORE_EVERY, AutoBudget, CostModel, best_size, other_load
 from exitspec.build import build_trie, merge_best_first
-from exitspec.calibrate import Calibrator, model_bins, model_calibrator
 from exitspec.decode import SpeculativeDecoder
 from exitspec.drafters import NgramDrafter
+from exitspec.estimates import ReachEstimator, model_bins, model_estimator
 from exitspec.sampling import SamplingParams
 from exitspec.settings import budget_cap, parse_budget
 from exitspec.target import TargetModel
@@ -154,23 +154,23 @@ def test_auto_budget_tries_both_kinds_then_prefers_the_faster_and_keeps_explorin
     assert auto.explore_every == 2 * EXPLORE_EVERY
 
 
-def test_calibrator_learns_realised_reach_and_stays_monotone():
-    calibrator = model_calibrator()
-    assert calibrator.estimate(model_bins([1.0, 0.5]))[0] == pytest.approx(0.5 * math.exp(-0.25))  # prior: q / 2
+def test_estimator_learns_realised_reach_and_stays_monotone():
+    estimator = model_estimator()
+    assert estimator.estimate(model_bins([1.0, 0.5]))[0] == pytest.approx(0.5 * math.exp(-0.25))  # prior: q / 2
     bins = model_bins([0.9, 0.3])
     for _ in range(300):
-        calibrator.observe(bins, [0.2, 0.6])  # overconfident at the top, underconfident below
-    high, low = calibrator.estimate(bins)
+        estimator.observe(bins, [0.2, 0.6])  # overconfident at the top, underconfident below
+    high, low = estimator.estimate(bins)
     assert high == pytest.approx(0.2, abs=0.02) and low == pytest.approx(0.2, abs=0.02)  # capped by its better bin
-    table = calibrator.table()
+    table = estimator.table()
     assert all(a >= b for a, b in itertools.pairwise(table))
 
 
-def test_calibrator_shrinks_to_its_prior():
-    calibrator = Calibrator(torch.tensor([[0.5]]), prior_weight=4.0, decay=0.5)
-    calibrator.observe([0, 0, 0], [1.0, 1.0, 1.0])
+def test_estimator_shrinks_to_its_prior():
+    estimator = ReachEstimator(torch.tensor([[0.5]]), prior_weight=4.0, decay=0.5)
+    estimator.observe([0, 0, 0], [1.0, 1.0, 1.0])
     seen = 1.0 + 0.5 + 0.25  # decayed count (and mass) of the three nodes
-    assert calibrator.estimate([0]) == [pytest.approx((seen + 4.0 * 0.5) / (seen + 4.0))]
+    assert estimator.estimate([0]) == [pytest.approx((seen + 4.0 * 0.5) / (seen + 4.0))]
 
 
 def test_estimates_are_learned_per_sampling_setting():
@@ -182,7 +182,7 @@ def test_estimates_are_learned_per_sampling_setting():
     greedy, sampled = SamplingParams(0.0), SamplingParams(1.0)
 
     def first_estimate(setting) -> float:
-        drafter.calibrate_for(setting)
+        drafter.estimate_for(setting)
         return drafter.build(drafter.propose(context.tolist(), 4), 3, 4).scores[1]
 
     prior = first_estimate(greedy)

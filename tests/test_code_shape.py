@@ -1,6 +1,7 @@
 """The code's shape. Dependencies point one way: the core (tree → flow → verify → build → models → target →
-decode, with drafters, train and hf) → app (load_decoders) → the commands (exits, serve, bench, train.cli) → cli.
-Parsed from the source, so an upward import, a cycle or a long function fails here before it confuses a reader."""
+decode, with drafters, train and hf) → app (load_decoders) → the commands (commands, exits, serve, bench,
+train.cli) → cli. Parsed from the source, so an upward import, a cycle or a long function fails here before it
+confuses a reader."""
 
 import ast
 from pathlib import Path
@@ -8,7 +9,8 @@ from pathlib import Path
 import exitspec
 
 ROOT = Path(exitspec.__file__).parent
-COMMANDS = ("exitspec.exits", "exitspec.serve", "exitspec.train.cli", "exitspec.bench")  # above app: what a command runs
+# above app: what a command runs
+COMMANDS = ("exitspec.commands", "exitspec.exits", "exitspec.serve", "exitspec.train.cli", "exitspec.bench")
 CLI = ("exitspec.cli", "exitspec.options")  # the command line; `options` is its option groups
 
 
@@ -23,15 +25,16 @@ def modules() -> dict[str, Path]:
 def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
     """(module imported, at function level?) for each exitspec import of a file, `if TYPE_CHECKING:` left out."""
     tree = ast.parse(path.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-               for n in ast.walk(node)}
+    skipped = {id(n) for node in ast.walk(tree)
+               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     top = {id(n) for n in tree.body}
     found = []
     for node in ast.walk(tree):
         if id(node) in skipped:
             continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("exitspec"):
-            names = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known] or [node.module]
+            names = [f"{node.module}.{a.name}" for a in node.names
+                     if f"{node.module}.{a.name}" in known] or [node.module]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names if a.name.startswith("exitspec")]
         else:

@@ -28,16 +28,16 @@ class RandomTreeDrafter:
     def __init__(self, vocab: int, seed: int = 0):
         self.vocab, self.gen = vocab, torch.Generator().manual_seed(seed)
 
-    def calibrate_for(self, setting):
+    def estimate_for(self, setting):
         pass
 
     def identity(self):
         return "random"
 
-    def calibration_state(self):
+    def estimates_state(self):
         return {}
 
-    def load_calibration(self, state):
+    def load_estimates(self, state):
         pass
 
     def begin(self, prompt_ids, features):
@@ -115,7 +115,7 @@ def test_suffix_trees_that_learn_from_earlier_draws_keep_the_target_law(model, f
 
 @pytest.mark.parametrize("verifier", ["predraw", "tev"])
 def test_auto_budget_keeps_the_target_law(model, first_tokens_counts, verifier):
-    """Tree sizes chosen from the drafter's calibrated scores and past rounds leave the output law exact."""
+    """Tree sizes chosen from the drafter's estimated P(u) and past rounds leave the output law exact."""
     assert g_test_pvalue(first_tokens_counts(verifier, "auto:6"), exact_first_tokens_law(model, PROMPT)) > 1e-3
 
 

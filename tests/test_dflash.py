@@ -120,8 +120,8 @@ def test_default_layer_ids_follow_reference(num_target, num_draft, expected):
     assert list(DFlashModel.for_target(config, num_layers=num_draft).config.target_layer_ids) == expected
 
 
-def test_calibrated_fc_gives_every_feature_dim_unit_scale(target):
-    """A massive-activation dim (1000× the others) dominates a random fc; calibration divides it out."""
+def test_rescaled_fc_gives_every_feature_dim_unit_scale(target):
+    """A massive-activation dim (1000× the others) dominates a random fc; rescale_fc divides it out."""
     model = DFlashModel.for_target(target.config, num_layers=1, block_size=BLOCK, target_layer_ids=(0, 1))
     g = torch.Generator().manual_seed(0)
     features = torch.randn(500, model.config.feature_size, generator=g) * torch.linspace(0.5, 2, 2 * HIDDEN)
@@ -129,7 +129,7 @@ def test_calibrated_fc_gives_every_feature_dim_unit_scale(target):
     before = model.fc.weight.clone()
     random_fused = F.normalize(features @ before.T, dim=-1)
     assert (random_fused @ random_fused.T).abs().mean() > 0.9  # every row points along the massive dim
-    model.calibrate_fc(features)
+    model.rescale_fc(features)
     rms = features.pow(2).mean(dim=0).sqrt()
     torch.testing.assert_close(model.fc(features), (features / rms) @ before.T)
     fused = F.normalize(model.fc(features), dim=-1)
@@ -340,7 +340,8 @@ def test_errors_name_the_problem(tmp_path, target, tokens):
         load("shallow", ids=(0, 5))
     with pytest.raises(ValueError, match=r"uses \['output_multiplier'\], which this drafter does not implement"):
         load("dflash2", dflash_extra={"output_multiplier": 0.2})
-    with pytest.raises(ValueError, match=f"trained on a target of 36 decoder layers .* this target has {TARGET_LAYERS}"):
+    with pytest.raises(ValueError,
+                       match=f"trained on a target of 36 decoder layers .* this target has {TARGET_LAYERS}"):
         load("deeper", dflash_extra={"num_target_layers": 36})
     write_released(tmp_path / "torn")
     weights = tmp_path / "torn" / "model.safetensors"
@@ -379,29 +380,19 @@ def test_dflash_spec_names_the_shipped_drafter(tmp_path, monkeypatch, target):
     assert drafters.drafter_folder("dflash") == tmp_path / "shipped" and drafters.drafter_folder("ngram") is None
 
 
-@pytest.mark.parametrize("name", ["dflash", "dflash-v1", "exittrain"])
-def test_the_shipped_drafters_fit_the_default_model(name):
-    """Each committed drafter folder is safetensors of at most 40 MB and a README with the commands that trained
+def test_the_shipped_drafter_fits_the_default_model():
+    """The one committed drafter folder is safetensors of at most 40 MB and a README with the commands that trained
     it, made for SmolLM2-135M-Instruct's sizes (hidden 576, vocabulary 49152, 30 layers);
     `generate` picks dflash for the default model only."""
     from exitspec import drafters
 
-    folder = drafters.SHIPPED[name]
+    assert list(drafters.SHIPPED) == ["dflash"]
+    folder = drafters.SHIPPED["dflash"]
     files = sorted(p.name for p in folder.iterdir())
     assert files == ["README.md", "config.json", "model.safetensors"]
     assert (folder / "model.safetensors").stat().st_size <= 40 * 2**20
     DFlashConfig.load(folder).check_target(hidden_size=576, vocab_size=49152, num_layers=30)
     assert drafters.default_drafter(None) == "dflash" and drafters.default_drafter("some/llama") == "ngram"
-
-
-def test_exittrain_is_a_finetuning_of_the_first_dflash_drafter():
-    """exittrain has dflash-v1's architecture and parameter names, with trained (changed) weights."""
-    from exitspec import drafters
-
-    a, b = (load_file(drafters.SHIPPED[n] / "model.safetensors") for n in ("dflash-v1", "exittrain"))
-    assert DFlashConfig.load(drafters.SHIPPED["dflash-v1"]) == DFlashConfig.load(drafters.SHIPPED["exittrain"])
-    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
-    assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_checkpoint_folder_brings_its_lookup_table(released, target, tmp_path):

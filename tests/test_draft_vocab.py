@@ -35,7 +35,8 @@ def drafter_pair(target) -> tuple[DFlashDrafter, DFlashDrafter]:
     small.load_state_dict(model.state_dict())
     small.use_draft_vocab(torch.tensor(VOCAB_IDS))
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    return DFlashDrafter(model, embed, head, suffix_source=False), DFlashDrafter(small, embed, head, suffix_source=False)
+    return (DFlashDrafter(model, embed, head, suffix_source=False),
+            DFlashDrafter(small, embed, head, suffix_source=False))
 
 
 def begun(drafter: DFlashDrafter, target, prompt: torch.Tensor) -> DFlashDrafter:
@@ -83,7 +84,8 @@ def test_checkpoint_round_trip_and_bad_vocabularies(tmp_path, target):
     assert tensors["draft_vocab"].tolist() == VOCAB_IDS
     loaded = DFlashDrafter.from_pretrained(tmp_path / "d", target, suffix_source=False)
     prompt = torch.tensor([3, 9, 4, 1, 7, 2, 6])
-    assert torch.equal(begun(loaded, target, prompt).marginals(prompt, 8), begun(small, target, prompt).marginals(prompt, 8))
+    assert torch.equal(begun(loaded, target, prompt).marginals(prompt, 8),
+                       begun(small, target, prompt).marginals(prompt, 8))
 
     def broken(vocab, match):
         save_file(tensors | {"draft_vocab": torch.tensor(vocab)}, tmp_path / "d" / "model.safetensors")

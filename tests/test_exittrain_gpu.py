@@ -45,7 +45,8 @@ def test_the_gpu_recipe_runs_every_stage_at_tiny_sizes(tmp_path):
     report = json.loads((out / "eval" / "heldout.json").read_text())
     assert {p["other"] for p in report["paired"]} == {str(tmp_path / "init"), *(str(runs / a / "final") for a in (
         "none", f"prefix-lam{lam}", "reach-lam6.4"))}
-    assert {(p["budget"], p["temperature"]) for p in report["paired"]} == {(b, t) for b in (32, 64, 128) for t in (0, 1)}
+    paired = {(p["budget"], p["temperature"]) for p in report["paired"]}
+    assert paired == {(b, t) for b in (32, 64, 128) for t in (0, 1)}
     stages = [line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()]
     assert stages == ["sweep-1", "sweep-4", "sweep-eval", "exit", "none", "prefix", "reach", "eval"]
     assert (out / "curve.png").stat().st_size > 0 and (out / "eval" / "exit-by-depth.png").stat().st_size > 0

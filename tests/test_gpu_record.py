@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_gpu_record_runs_at_tiny_shapes_on_the_cpu(tmp_path):
     out = tmp_path / "record"
     run = subprocess.run(["bash", str(ROOT / "scripts/gpu-record.sh"), "--tiny", "--device", "cpu", "--out", str(out)],
-                         capture_output=True, text=True, check=False, cwd=ROOT, env={**os.environ, "HOME": str(tmp_path)})
+                         capture_output=True, text=True, check=False, cwd=ROOT,
+                         env={**os.environ, "HOME": str(tmp_path)})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     record = json.loads((out / "record.json").read_text())
     shape = record["shapes"]["tiny-qwen3"]

@@ -125,7 +125,8 @@ def test_best_tree_stays_inside_the_context():
 
 def test_oracle_report_bounds_every_round(folders, capsys):
     argv = [PROMPT, "--ids", "--model", str(folders / "model"), "--drafter", "ngram", "--rounds", "4", "--budget",
-            "6", "--temperature", str(TEMPERATURE), "--oracle", "--plot", "", "--dtype", "float32", "--json"]  # fmt: skip
+            "6", "--temperature", str(TEMPERATURE), "--oracle", "--plot", "", "--dtype", "float32",
+            "--json"]  # fmt: skip
     assert main(["inspect", *argv]) == 0
     out = json.loads(capsys.readouterr().out)
     for r in out["rounds"]:

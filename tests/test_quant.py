@@ -38,8 +38,10 @@ def reference_blocks(x: np.ndarray, fmt: str) -> np.ndarray:
         else:
             lo, hi = block.min(), block.max()
             d = (hi - lo) / np.float32(15)
-            q = np.minimum(15, ((block - lo) * (np.float32(1) / d if d else np.float32(0)) + np.float32(0.5)).astype(np.int8))
-            out.append(np.float16(d).tobytes() + np.float16(lo).tobytes() + (q[:16] | (q[16:] << 4)).astype(np.uint8).tobytes())
+            scale = np.float32(1) / d if d else np.float32(0)
+            q = np.minimum(15, ((block - lo) * scale + np.float32(0.5)).astype(np.int8))
+            nibbles = (q[:16] | (q[16:] << 4)).astype(np.uint8)
+            out.append(np.float16(d).tobytes() + np.float16(lo).tobytes() + nibbles.tobytes())
     return np.frombuffer(b"".join(out), dtype=np.uint8)
 
 
@@ -160,7 +162,8 @@ def quantized_first_tokens_law(target: TargetModel, n: int = 3) -> torch.Tensor:
 @pytest.mark.parametrize("verifier", ["predraw", "tev"])
 def test_the_first_three_tokens_follow_the_quantized_targets_law(verifier):
     model = tiny_llama(vocab_size=VOCAB, seed=3)
-    decoder = SpeculativeDecoder(TargetModel(model, precision="q4_1"), RandomTreeDrafter(VOCAB, seed=1), warm_start=False)
+    decoder = SpeculativeDecoder(TargetModel(model, precision="q4_1"), RandomTreeDrafter(VOCAB, seed=1),
+                                 warm_start=False)
     counts = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
     for seed in range(DRAWS):
         out = decoder.generate(PROMPT, 3, 1.0, budget=6, verifier=verifier, seed=seed, stop_tokens=())

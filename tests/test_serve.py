@@ -103,7 +103,8 @@ def test_chat_and_text_completions_equal_the_decoders_output_streamed_or_not(fol
 
 def test_sampled_requests_equal_the_decoder_run_from_the_same_state(folder):
     reference = decoder_of(folder)  # the same requests, in the same order, from a decoder in the same state
-    want = [expected(reference, p, temperature=1.0, top_k=20, seed=s, max_new_tokens=16) for s, p in enumerate(PROMPTS[:3])]
+    want = [expected(reference, p, temperature=1.0, top_k=20, seed=s, max_new_tokens=16)
+            for s, p in enumerate(PROMPTS[:3])]
     with serving(decoder_of(folder)) as url:
         got = [_sampled(url, p, s) for s, p in enumerate(PROMPTS[:3])]
     assert got == want
@@ -250,7 +251,8 @@ def test_an_api_key_guards_v1_and_metrics_but_not_health(folder):
     with serving(decoder_of(folder), api_key="sesame") as url:
         status, body, _ = post(url, "/v1/completions", {"prompt": "w4", "max_tokens": 2})
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
-        assert post(url, "/v1/completions", {"prompt": "w4", "max_tokens": 2}, {"Authorization": "Bearer sesame"})[0] == 200
+        authorized = {"Authorization": "Bearer sesame"}
+        assert post(url, "/v1/completions", {"prompt": "w4", "max_tokens": 2}, authorized)[0] == 200
         import urllib.request
 
         with urllib.request.urlopen(url + "/health") as response:

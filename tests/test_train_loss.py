@@ -198,4 +198,5 @@ def test_soft_cross_entropy_is_the_partition_cross_entropy():
     torch.testing.assert_close(got2, expected)
     one_hot = torch.ones(2, 5, 1)  # p = 1 on token 3 everywhere: the plain cross-entropy
     ce = -logits.log_softmax(-1)[..., 3]
-    torch.testing.assert_close(soft_cross_entropy(logits.log_softmax(-1), one_hot, torch.full((2, 5, 1), 3), positions), ce)
+    soft = soft_cross_entropy(logits.log_softmax(-1), one_hot, torch.full((2, 5, 1), 3), positions)
+    torch.testing.assert_close(soft, ce)

@@ -205,7 +205,8 @@ def test_looping_rollouts_stop_early_and_keep_one_copy_less(model, tmp_path):
     for r in load_rollouts(tmp_path / "stopped"):
         assert r.response_ids == reference[r.id][: loop_start(reference[r.id], 2)]
     summary = summarize_rollouts(tmp_path / "stopped")
-    assert summary["rollouts"] == 6 and summary["looped"] == sum(loop_start(v, 2) is not None for v in reference.values())
+    assert summary["rollouts"] == 6
+    assert summary["looped"] == sum(loop_start(v, 2) is not None for v in reference.values())
     cut = sum(48 - loop_start(v, 2) for v in reference.values() if loop_start(v, 2) is not None)
     assert summary["loop_tokens_cut"] == cut > 0
     both = load_rollouts(tmp_path)  # a folder of rollout folders: every shard below it, ids prefixed

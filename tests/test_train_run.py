@@ -81,7 +81,8 @@ def test_stopped_and_resumed_run_equals_uninterrupted_run(setup):
     ]
     assert not (setup / "split" / "final").exists()
     state = json.loads((step3 / "state.json").read_text())
-    assert state["step"] == 3 and state["data"]["position"] == 9 and state["config"] == json.loads(json.dumps(asdict(split)))
+    assert state["step"] == 3 and state["data"]["position"] == 9
+    assert state["config"] == json.loads(json.dumps(asdict(split)))
     opt = load_file(step3 / "optimizer.safetensors")
     assert {k.rpartition("/")[2] for k in opt} == {"exp_avg", "exp_avg_sq", "step"}
     assert opt["fc.weight/step"].item() == 3
@@ -183,7 +184,8 @@ def test_cli_trains_and_reports_errors(setup, capsys):
     assert main(["train", "dflash", *argv]) == 0
     assert (setup / "cli" / "final" / "model.safetensors").is_file()
     assert "accuracy by block position" in capsys.readouterr().out
-    assert main(["train", "dflash", *argv[:2]] + ["--rollouts", str(setup / "none"), "--run-dir", str(setup / "cli2")]) == 2
+    assert main(["train", "dflash", *argv[:2], "--rollouts", str(setup / "none"),
+                 "--run-dir", str(setup / "cli2")]) == 2
     assert "--rollouts-only" in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""Warm start (exitspec.warm): learned calibrators and `--budget auto` rates saved by one decoder and picked
+"""Warm start (exitspec.warm): learned estimators and `--budget auto` rates saved by one decoder and picked
 up by the next, and files that cannot be trusted ignored with one warning."""
 
 import json
@@ -11,11 +11,11 @@ from tiny_models import tiny_llama
 
 from exitspec import warm
 from exitspec.budget import AutoBudget
-from exitspec.calibrate import model_calibrator
 from exitspec.decode import SpeculativeDecoder, generate_autoregressive
 from exitspec.drafters import ChainDrafter, DFlashDrafter, NgramDrafter
 from exitspec.drafters.dflash_model import DFlashModel
 from exitspec.drafters.suffix import SuffixMemory
+from exitspec.estimates import model_estimator
 from exitspec.sampling import SamplingParams
 from exitspec.target import TargetModel
 
@@ -52,7 +52,7 @@ def run(decoder: SpeculativeDecoder, tokens: int = 30, temperature: float = 0.0,
 
 
 def cold_state(model) -> dict:
-    return new_decoder(model, warm_start=False).drafter.calibration_state()
+    return new_decoder(model, warm_start=False).drafter.estimates_state()
 
 
 def warm_warnings(caught) -> list[str]:
@@ -63,19 +63,19 @@ def learned(state: dict) -> bool:
     return any(count for source in state.values() for count in source["count"])
 
 
-def test_calibrator_state_round_trips_and_refuses_what_does_not_fit():
-    calibrator = model_calibrator()
-    calibrator.observe([0, 3, 3, 7], [1.0, 0.25, 0.5, 0.0])
-    restored = model_calibrator()
-    restored.load_state(json.loads(json.dumps(calibrator.state())))
-    assert restored.table() == calibrator.table() and restored.state() == calibrator.state()
-    bins = len(calibrator.mass)
+def test_estimator_state_round_trips_and_refuses_what_does_not_fit():
+    estimator = model_estimator()
+    estimator.observe([0, 3, 3, 7], [1.0, 0.25, 0.5, 0.0])
+    restored = model_estimator()
+    restored.load_state(json.loads(json.dumps(estimator.state())))
+    assert restored.table() == estimator.table() and restored.state() == estimator.state()
+    bins = len(estimator.mass)
     for bad in ({"mass": [0.0] * bins}, {"mass": [0.0] * (bins - 1), "count": [0.0] * (bins - 1)},
                 {"mass": [math.nan] * bins, "count": [1.0] * bins}, {"mass": [0.0] * bins, "count": [-1.0] * bins},
                 [0.0] * bins):
         with pytest.raises(ValueError):
             restored.load_state(bad)
-        assert restored.state() == calibrator.state()  # a refused state changes nothing
+        assert restored.state() == estimator.state()  # a refused state changes nothing
 
 
 def test_auto_budget_state_round_trips_and_refuses_what_does_not_fit():
@@ -94,30 +94,30 @@ def test_auto_budget_state_round_trips_and_refuses_what_does_not_fit():
         restored.restore({"rate": {"full": 1.0, "cheap": 1.0}})
 
 
-def test_drafters_hand_over_the_calibration_of_the_current_setting(model):
+def test_drafters_hand_over_the_estimates_of_the_current_setting(model):
     decoder = new_decoder(model)
     run(decoder, temperature=1.0, budget=CAP)
-    state = decoder.drafter.calibration_state()
+    state = decoder.drafter.estimates_state()
     assert learned(state) and set(state) == {"model", "lookup", "request", "memory"}
     other = new_decoder(model).drafter
-    other.calibrate_for(SamplingParams(1.0))
-    ChainDrafter(other).load_calibration(json.loads(json.dumps(state)))  # a chain hands it to its drafter
-    assert other.calibration_state() == state and ChainDrafter(other).calibration_state() == state
-    other.calibrate_for(GREEDY)
-    assert other.calibration_state() == cold_state(model)  # another setting keeps its own
+    other.estimate_for(SamplingParams(1.0))
+    ChainDrafter(other).load_estimates(json.loads(json.dumps(state)))  # a chain hands it to its drafter
+    assert other.estimates_state() == state and ChainDrafter(other).estimates_state() == state
+    other.estimate_for(GREEDY)
+    assert other.estimates_state() == cold_state(model)  # another setting keeps its own
     with pytest.raises(ValueError):
-        NgramDrafter().load_calibration(state)  # DFlash's sources are not prompt lookup's alone
+        NgramDrafter().load_estimates(state)  # DFlash's sources are not prompt lookup's alone
     assert new_decoder(model).drafter.identity() == other.identity() != ChainDrafter(other).identity()
 
 
 def test_a_new_decoder_starts_from_the_saved_state(model, folder):
     first = new_decoder(model)
     run(first)
-    assert learned(first.drafter.calibration_state())
-    assert sorted(p.name.split("-")[0] for p in folder.iterdir()) == ["auto", "calibration", "suffix"]
+    assert learned(first.drafter.estimates_state())
+    assert sorted(p.name.split("-")[0] for p in folder.iterdir()) == ["auto", "estimates", "suffix"]
     second = new_decoder(model)
     run(second, tokens=0)
-    assert second.drafter.calibration_state() == first.drafter.calibration_state()
+    assert second.drafter.estimates_state() == first.drafter.estimates_state()
     assert second.auto_budget(CAP, GREEDY).state() == first.auto_budget(CAP, GREEDY).state()
     assert list(second.drafter.memory().answers) == list(first.drafter.memory().answers)  # the first's answer
     for file in folder.iterdir():  # read once per process: later runs go on from memory
@@ -135,7 +135,7 @@ def test_warm_start_off_neither_reads_nor_writes(model, folder):
     saved = {p: p.read_bytes() for p in folder.iterdir()}
     cold = new_decoder(model, warm_start=False)
     run(cold, tokens=0)
-    assert cold.drafter.calibration_state() == cold_state(model)
+    assert cold.drafter.estimates_state() == cold_state(model)
     run(cold)
     assert {p: p.read_bytes() for p in folder.iterdir()} == saved
 
@@ -171,9 +171,9 @@ def test_a_damaged_or_foreign_file_warns_once_and_is_replaced(model, folder, how
         run(decoder, tokens=0, budget=CAP)
     (message,) = warm_warnings(caught)
     assert message.startswith(f"{file}: ignoring a warm-start file")
-    assert decoder.drafter.calibration_state() == cold_state(model)
+    assert decoder.drafter.estimates_state() == cold_state(model)
     data = json.loads(file.read_text())  # written back whole, for this key
-    assert data["key"] == warm.key("calibration", decoder.target, decoder.drafter, GREEDY) and data["version"] == 1
+    assert data["key"] == warm.key("estimates", decoder.target, decoder.drafter, GREEDY) and data["version"] == 1
 
 
 def test_greedy_output_from_a_warm_start_equals_autoregressive(model):

@@ -30,10 +30,10 @@ from rich.table import Table
 
 from exitspec.app import load_decoders
 from exitspec.bench.llamacpp import install_dir, same_weights, variant_files
-from exitspec.bench.runner import cpu_name
 from exitspec.budget import chain_runs
 from exitspec.lean import supports
 from exitspec.quant import IDENTITY as QUANT_FORWARD
+from exitspec.settings import cpu_name
 from exitspec.target import TargetModel
 from exitspec.timing import fastest, timings
 from exitspec.tree import DraftTree
@@ -88,7 +88,8 @@ def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, co
                 for b in backends:
                     target = targets[b]
                     if shape == "chain":
-                        tree = DraftTree.chain(1, [(7 * k + 3) % target.vocab_size for k in range(n)], device=target.device)
+                        tokens = [(7 * k + 3) % target.vocab_size for k in range(n)]
+                        tree = DraftTree.chain(1, tokens, device=target.device)
                     else:
                         tree = bushy_tree(n, 1, target.vocab_size, target.device)
                     times[b, shape, n].append(target_stage_seconds(target, tree))
@@ -104,8 +105,9 @@ def measure(model=None, device=None, dtype="auto", threads=None, sizes=SIZES, co
                 row[b] = {"ms": round(1000 * seconds, 2), "steps": round(seconds / step, 3)}
             if peer_runs and shape == "chain":
                 ms = [run[n] * 1000 for run in peer_runs]
+                steps = statistics.mean(ms) / statistics.mean(r[0] * 1000 for r in peer_runs)
                 row["llama.cpp"] = {"ms": round(statistics.mean(ms), 2), "runs_ms": [round(x, 2) for x in ms],
-                                    "steps": round(statistics.mean(ms) / statistics.mean(r[0] * 1000 for r in peer_runs), 3)}
+                                    "steps": round(steps, 3)}
             rows.append(row)
     return {"model": str(model or "SmolLM2-135M-Instruct"), "device": str(any_target.device), "cpu": cpu_name(),
             "precision": decoder.target.precision, "llama.cpp file": gguf.name if gguf else None,
@@ -180,9 +182,8 @@ def profile(model=None, device=None, dtype="auto", threads=None, sizes=(0, 4, 8,
         rows.append({"n": n, "total_ms": 1000 * total, "products_ms": 1000 * (products - lm_head),
                      "lm_head_ms": 1000 * lm_head, "attention_ms": 1000 * attention,
                      "other_ms": 1000 * (total - products - attention)})
-    return {"device": str(target.device), "dtype": target.precision,
-            "threads": torch.get_num_threads(), "context": target.cache_len, "row_plan": target.forward_config()["row_plan"],
-            "rows": rows}
+    return {"device": str(target.device), "dtype": target.precision, "threads": torch.get_num_threads(),
+            "context": target.cache_len, "row_plan": target.forward_config()["row_plan"], "rows": rows}
 
 
 def print_profile(result: dict, console: Console) -> None:

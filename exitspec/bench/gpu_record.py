@@ -11,7 +11,8 @@ For each target shape, in bf16 (fp32 with --tiny on a CPU):
     rounds      one DFlash-shaped drafter (random weights) drafting B = 32 TEV rounds: ops and syncs per round
                 (bench/rounds.py) and the seconds of each stage; the round overhead is everything but the
                 target's forward, as a share of the round
-    projected   SR from a τ measured on the CPU: τ · t(step) / t(round at B = 32)
+    projected   SR from a τ measured by a real run (--tau-from a bench results file: its T = 0 speculative rows,
+                pooled; or --tau): τ · t(step) / t(round at B = 32)
 
 and Table 3 (the verifier decision's latency, bench/latency.py) on synthetic trees at V = 151,936. The tree
 forward runs eager: CUDA graphs for it are not built yet, so the record says so instead of a number.
@@ -29,11 +30,14 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from exitspec.bench import latency
 from exitspec.bench.forward import bushy_tree, target_stage_seconds
+from exitspec.bench.report import aggregate
 from exitspec.bench.rounds import count_rounds
-from exitspec.bench.runner import cpu_name
+from exitspec.bench.rows import SpecRow
+from exitspec.bench.runner import ResultsFile
 from exitspec.decode import SpeculativeDecoder, generate_autoregressive
 from exitspec.drafters.dflash import DFlashDrafter
 from exitspec.drafters.dflash_model import DFlashModel
+from exitspec.settings import cpu_name
 from exitspec.target import TargetModel
 
 QWEN3 = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
@@ -49,7 +53,6 @@ TINY = {"tiny-qwen3": {**QWEN3, "num_attention_heads": 4, "num_key_value_heads":
                        "num_hidden_layers": 4, "tie_word_embeddings": False}}
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 512
-TAU_CPU = 2.69  # the shipped default's τ at T = 0, `auto`, 20 Table 1 prompts (data/bench/.../suffix-trees)
 
 
 def random_target(shape: dict, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
@@ -110,13 +113,22 @@ def round_breakdown(decoder: SpeculativeDecoder, prompt: list[int], tokens: int,
             "tau": result.tau, "overhead_share": max(0.0, 1 - forward_ms / round_ms)}
 
 
-def record(device: torch.device, tiny: bool, out: Path) -> dict:
+def measured_tau(results: Path) -> float:
+    """τ pooled over the temperature-0 speculative rows of a bench results file (report.aggregate)."""
+    rows = [r for r in ResultsFile(results).rows if isinstance(r, SpecRow) and r.temperature == 0]
+    if not rows:
+        raise ValueError(f"{results} holds no speculative rows at temperature 0 to take τ from")
+    return aggregate(rows)["tau"]
+
+
+def record(device: torch.device, tiny: bool, out: Path, tau: float, tau_source: str) -> dict:
     dtype = torch.float32 if tiny and device.type == "cpu" else torch.bfloat16
     shapes, tokens = (TINY, 32) if tiny else (SHAPES, 128)
     prompt = [(17 * k + 5) % 1000 for k in range(64)]
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
               "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "tiny": tiny,
-              "cuda_graphs": "not built: the tree forward runs eager", "shapes": {}}
+              "cuda_graphs": "not built: the tree forward runs eager", "tau": tau, "tau_source": tau_source,
+              "shapes": {}}
     for name, shape in shapes.items():
         model = random_target(shape, device, dtype)
         decoder = dflash_decoder(model, layers=1 if tiny else 5)
@@ -124,7 +136,7 @@ def record(device: torch.device, tiny: bool, out: Path) -> dict:
         rounds = round_breakdown(decoder, prompt, tokens, next(r["ms"] for r in forward if r["n"] == 32))
         result["shapes"][name] = {
             "shape": shape, "forward": forward, "greedy": greedy_agreement(decoder, prompt, tokens), "rounds": rounds,
-            "projected_sr": TAU_CPU * forward[0]["ms"] / rounds["round_ms"],  # τ tokens a round, against steps
+            "projected_sr": tau * forward[0]["ms"] / rounds["round_ms"],  # τ tokens a round, against steps
         }
         del model, decoder
         if device.type == "cuda":
@@ -143,16 +155,21 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CI runs them on the CPU)")
     parser.add_argument("--out", type=Path, required=True, help="the record folder (record.json)")
+    tau = parser.add_mutually_exclusive_group(required=True)
+    tau.add_argument("--tau-from", type=Path, metavar="RESULTS", help="a bench results.jsonl: τ of its T = 0 rows")
+    tau.add_argument("--tau", type=float, help="τ to project the speedup with")
     args = parser.parse_args(argv)
-    result = record(torch.device(args.device), args.tiny, args.out)
+    value, source = (args.tau, "--tau") if args.tau is not None else (measured_tau(args.tau_from), str(args.tau_from))
+    result = record(torch.device(args.device), args.tiny, args.out, value, source)
     for name, shape in result["shapes"].items():
         steps = ", ".join(f"N={r['n']}: {r['steps']:.2f}" for r in shape["forward"])
         r = shape["rounds"]
-        print(f"{name}: step {shape['forward'][0]['ms']:.2f} ms; forward in steps {steps}; round {r['round_ms']:.2f} ms, "
+        print(f"{name}: step {shape['forward'][0]['ms']:.2f} ms; forward in steps {steps}; "
+              f"round {r['round_ms']:.2f} ms, "
               f"overhead {100 * r['overhead_share']:.0f}%, {r['counts']['syncs_total']:.1f} syncs and "
               f"{r['counts']['ops_outside_target']:.0f} ops outside the target a round; greedy "
               f"{'equal' if shape['greedy']['equal'] else 'diverges at ' + str(shape['greedy']['first_divergence'])}; "
-              f"projected SR {shape['projected_sr']:.2f}")
+              f"projected SR {shape['projected_sr']:.2f} at τ {result['tau']:.2f} ({result['tau_source']})")
     print(f"wrote {args.out / 'record.json'}")
     return 0
 

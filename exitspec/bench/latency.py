@@ -180,7 +180,8 @@ def run_bench(
             for tree, logits in budget_pairs:
                 for name, seconds in time_pair(tree, logits, params, repeats, warmup, gen).items():
                     pooled[name] += seconds
-                coverage.append(float(tree_flow(tree, target_probs(logits, params), check=False).coverage))  # E[accepted]
+                # E[accepted]
+                coverage.append(float(tree_flow(tree, target_probs(logits, params), check=False).coverage))
             med = {name: 1e3 * statistics.median(s) for name, s in pooled.items()}
             stage = {  # warp + decision of the same repeat; "tev": the decode loop's TEV stage, which warps lazily
                 name: 1e3 * statistics.median(w + d for w, d in zip(pooled["warp"], pooled[full]))
@@ -240,8 +241,9 @@ def run(args) -> int:
     """`exitspec latency`: measures, prints the tables and with --out writes the results (JSON; the verifier
     stage's also as Markdown, OUT with .md)."""
     if args.stage == "round":
-        result = rounds.measure(PROMPTS[: args.prompts], args.model, args.drafter, args.device, args.dtype, args.threads,
-                                [parse_budget(b) for b in args.round_budgets], args.temperatures or [0.0, 1.0])
+        result = rounds.measure(PROMPTS[: args.prompts], args.model, args.drafter, args.device, args.dtype,
+                                args.threads, [parse_budget(b) for b in args.round_budgets],
+                                args.temperatures or [0.0, 1.0])
         rounds.print_table(result, Console(width=160))
         return _write_json(result, args.out)
     if args.stage == "suffix":
@@ -261,7 +263,8 @@ def run(args) -> int:
         forward.print_table(result, Console())
     else:
         result = measure(
-            args.model, args.drafter, args.device, args.dtype, args.threads, args.budgets, args.temperatures or [1.0, 0.6],
+            args.model, args.drafter, args.device, args.dtype, args.threads, args.budgets,
+            args.temperatures or [1.0, 0.6],
             args.top_p, args.prompts, args.depth, args.repeats, args.warmup, args.synthetic, args.vocab, args.seed,
         )
         print_tables(result, Console())
@@ -296,7 +299,8 @@ def measure(
         decoder = load_decoders(model, ["ngram" if spec == "oracle" else spec], device, dtype, threads, budgets=())
         target, draft = next(iter(decoder.values())).target, next(iter(decoder.values())).drafter
         if spec != "oracle" and not isinstance(draft, DFlashDrafter):
-            raise ValueError(f"drafter {spec!r} gives no marginals: use 'oracle', a shipped drafter or a checkpoint folder")
+            raise ValueError(f"drafter {spec!r} gives no marginals: use 'oracle', a shipped drafter or a checkpoint "
+                             "folder")
         pairs = realised_pairs(target, budgets, prompts, depth, None if spec == "oracle" else draft)
         vocab, dev = target.vocab_size, target.device
         mode = f"{spec}-drafter trees on {model or 'SmolLM2-135M-Instruct'}"

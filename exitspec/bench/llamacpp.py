@@ -139,8 +139,8 @@ class LlamaServer:
         if len(prompt_ids) + max_new_tokens > CONTEXT:
             raise ValueError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones exceed llama-server's "
                              f"context of {CONTEXT}")
-        data, seconds = self._request("POST", "/completion",
-                                      json.dumps(request_body(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed)))
+        body = request_body(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed)
+        data, seconds = self._request("POST", "/completion", json.dumps(body))
         return read_completion(json.loads(data), prompt_ids, stop_tokens, seconds)
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from exitspec.bench.rows import BaselineRow, EnvRow, PeerRow, SpecRow
+from exitspec.bench.rows import LOOP_SPAN, BaselineRow, EnvRow, PeerRow, SpecRow, loops
 from exitspec.bench.runner import ResultsFile, speedup
 from exitspec.decode import STAGES
 from exitspec.drafters.chain import drafter_label
@@ -57,13 +57,36 @@ def summarize(rows: list[BaselineRow | SpecRow]) -> list[dict]:
     for row in rows:
         if isinstance(row, SpecRow):
             groups[tuple(getattr(row, f) for f in CELL)].append(row)
+    looping = looping_prompts(rows)
     rank = [{v: i for i, v in enumerate(dict.fromkeys(key[j] for key in groups))} for j in range(len(CELL))]
     # temperature and budget sort by value (auto:B right after B), the others by first appearance
     value = {"temperature": lambda t: t, "budget": _budget_order}
     order = sorted(groups, key=lambda key: tuple(
         value[f](v) if f in value else rank[j][v] for j, (f, v) in enumerate(zip(CELL, key))
     ))
-    return [{**dict(zip(CELL, key)), **aggregate(groups[key])} for key in order]
+    return [{**dict(zip(CELL, key)), **aggregate(groups[key]), **_without(groups[key], looping)} for key in order]
+
+
+def looping_prompts(rows: list) -> set[tuple]:
+    """The prompts (`_prompt`) of which an answer, autoregressive or speculative, ends in a repetition loop
+    (rows.loops, against the conversation's earlier autoregressive answers too): every table's means are also
+    given without them."""
+    answers = {_prompt(r): r.ar.tokens for r in rows if isinstance(r, BaselineRow)}
+
+    def earlier(r) -> list[list[int]]:
+        return [a for (d, t, p, turn, rep), a in answers.items()
+                if (d, t, p, rep) == (r.dataset, r.temperature, r.prompt_id, r.repeat) and turn < r.turn]
+
+    answer = {BaselineRow: lambda r: r.ar.tokens, SpecRow: lambda r: r.tokens}
+    return {_prompt(r) for r in rows if type(r) in answer and loops(answer[type(r)](r), earlier(r))}
+
+
+def _without(rows: list[SpecRow], looping: set[tuple]) -> dict:
+    """A cell's `looped` rows and its τ, SR and tok/s without them (None when every row loops)."""
+    kept = [r for r in rows if _prompt(r) not in looping]
+    pooled = aggregate(kept) if kept else None
+    return {"looped": len(rows) - len(kept),
+            "without_loops": pooled and {k: pooled[k] for k in ("tau", "sr_ar", "sr_hf", "tokens_per_second")}}
 
 
 def aggregate(rows: list[SpecRow]) -> dict:
@@ -113,7 +136,8 @@ def main_table(cells: list[dict]) -> dict:
     by_row: dict[tuple, dict] = defaultdict(dict)
     for c in cells:
         by_row[(c["temperature"], c["dataset"])][labels[tuple(c[f] for f in CONFIG)]] = {
-            k: c.get(k) for k in ("tau", "sr_ar", "sr_hf", "sr_ar_quartiles")
+            **{k: c.get(k) for k in ("tau", "sr_ar", "sr_hf", "sr_ar_quartiles", "rows", "looped")},
+            "sr_ar_without_loops": (c.get("without_loops") or {}).get("sr_ar"),
         }
     rows = []
     for temperature in sorted({t for t, _ in by_row}):
@@ -121,7 +145,8 @@ def main_table(cells: list[dict]) -> dict:
         mean = {}
         for label in labels.values():
             present = [r["values"][label] for r in block if label in r["values"]]
-            mean[label] = {k: _mean([p[k] for p in present]) for k in ("tau", "sr_ar", "sr_hf")}
+            mean[label] = {k: _mean([p[k] for p in present]) for k in ("tau", "sr_ar", "sr_hf", "sr_ar_without_loops")}
+            mean[label] |= {k: sum(p[k] or 0 for p in present) for k in ("rows", "looped")}
         rows += block + [{"dataset": "mean", "temperature": temperature, "values": mean}]
     return {"columns": list(labels.values()), "rows": rows}
 
@@ -189,30 +214,44 @@ def peer_table(rows: list) -> dict | None:
     """Tokens per second (pooled: all tokens over all seconds) per dataset and temperature of exitspec's
     autoregressive loop, each speculative config, transformers' generate and each peer (bench/peers.py), on the
     prompts that the peers ran (the same prompts and turns for every column); None without peer rows.
-    `ratio`: the best exitspec config over the fastest other way."""
+    `ratio`: the best exitspec config over the fastest other way; `ratio_without_loops`: the same without the
+    `looped` prompts (looping_prompts)."""
     peered = {_prompt(r) for r in rows if isinstance(r, PeerRow)}
     if not peered:
         return None
+    looping = looping_prompts(rows) & peered
+    everything, kept = pooled_rates(rows, peered), pooled_rates(rows, peered - looping)
+    columns = list(dict.fromkeys(name for cell in everything.values() for name in cell))
+    body = [{"dataset": dataset, "temperature": temperature,
+             "runs": len({p for p in peered if p[:2] == (dataset, temperature)}),
+             "looped": len({p for p in looping if p[:2] == (dataset, temperature)}),
+             "tokens_per_second": rates, "ratio": _best_over_other(rates),
+             "ratio_without_loops": _best_over_other(kept.get((dataset, temperature), {}))}
+            for (dataset, temperature), rates in sorted(everything.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+    return {"columns": columns, "rows": body}
+
+
+def pooled_rates(rows: list, prompts: set[tuple], by=lambda r: (r.dataset, r.temperature)
+                  ) -> dict[tuple, dict[str, float]]:
+    """{by(row), default (dataset, temperature): {run name: tokens per second pooled over `prompts`}}."""
     pooled: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     runs = {BaselineRow: lambda r: [("exitspec AR", r.ar.new_tokens, r.ar.total_seconds),
                                     ("transformers", r.hf.new_tokens, r.hf.total_seconds)],
             SpecRow: lambda r: [(f"exitspec {r.drafter} {r.budget} {r.verifier}", r.new_tokens, r.total_seconds)],
             PeerRow: lambda r: [(r.peer, r.new_tokens, r.total_seconds)]}
     for r in rows:
-        if type(r) in runs and _prompt(r) in peered:
+        if type(r) in runs and _prompt(r) in prompts:
             for name, tokens, seconds in runs[type(r)](r):
-                pooled[r.dataset, r.temperature][name][0] += tokens
-                pooled[r.dataset, r.temperature][name][1] += seconds
-    columns = list(dict.fromkeys(name for cell in pooled.values() for name in cell))
-    body = []
-    for (dataset, temperature), cell in sorted(pooled.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        rates = {name: _rate(*cell[name]) for name in columns if name in cell}
-        spec = max((v for k, v in rates.items() if k.startswith("exitspec ") and k != "exitspec AR"), default=None)
-        other = max((v for k, v in rates.items() if not k.startswith("exitspec ")), default=None)
-        body.append({"dataset": dataset, "temperature": temperature, "runs": len({p for p in peered
-                     if p[:2] == (dataset, temperature)}), "tokens_per_second": rates,
-                     "ratio": spec / other if spec and other else None})
-    return {"columns": columns, "rows": body}
+                pooled[by(r)][name][0] += tokens
+                pooled[by(r)][name][1] += seconds
+    return {key: {name: _rate(*run) for name, run in cell.items()} for key, cell in pooled.items()}
+
+
+def _best_over_other(rates: dict[str, float]) -> float | None:
+    """The fastest speculative exitspec run over the fastest run that is not exitspec's."""
+    spec = max((v for k, v in rates.items() if k.startswith("exitspec ") and k != "exitspec AR"), default=None)
+    other = max((v for k, v in rates.items() if not k.startswith("exitspec ")), default=None)
+    return spec / other if spec and other else None
 
 
 def _prompt(row) -> tuple:
@@ -238,15 +277,18 @@ def draft_model_table(rows: list) -> list[dict]:
         cell[1] += r.rounds
         cell[2] += draft
         cell[3] += r.total_seconds
-    return [{"dataset": d, "temperature": t, "run": name, "tau": tokens / rounds, "draft_seconds_per_round": draft / rounds,
-             "tokens_per_second": _rate(tokens, seconds)}
-            for (d, t, name), (tokens, rounds, draft, seconds) in sorted(pooled.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))]
+    order = sorted(pooled.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2]))
+    return [{"dataset": d, "temperature": t, "run": name, "tau": tokens / rounds,
+             "draft_seconds_per_round": draft / rounds, "tokens_per_second": _rate(tokens, seconds)}
+            for (d, t, name), (tokens, rounds, draft, seconds) in order]
 
 
 def peer_table_markdown(table: dict) -> list[str]:
-    header = ["dataset", "T", "runs", *table["columns"], "best exitspec / fastest other"]
-    body = [[r["dataset"], f"{r['temperature']:g}", str(r["runs"]), *(_num(r["tokens_per_second"].get(c), digits=1) for c in table["columns"]),
-             _num(r["ratio"], "×")] for r in table["rows"]]
+    header = ["dataset", "T", "runs", "looped", *table["columns"], "best exitspec / fastest other",
+              "the same without loops"]
+    body = [[r["dataset"], f"{r['temperature']:g}", str(r["runs"]), str(r.get("looped", 0)),
+             *(_num(r["tokens_per_second"].get(c), digits=1) for c in table["columns"]), _num(r["ratio"], "×"),
+             _num(r.get("ratio_without_loops"), "×")] for r in table["rows"]]
     return _markdown_table(header, body)
 
 
@@ -267,11 +309,13 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> dict
     crossed, paired, peers = drafter_table(cells), paired_tau(data.rows), peer_table(data.rows)
     markdown = _report_markdown(data.envs, table, crossed, paired, cells, ar, results)
     if peers is not None:
-        markdown += "\n".join(["", "## Peers: tokens per second on the same prompts", "", *peer_table_markdown(peers), ""])
+        markdown += "\n".join(["", "## Peers: tokens per second on the same prompts", "",
+                                *peer_table_markdown(peers), ""])
     drafts = draft_model_table(data.rows)
     if drafts:
         body = [[r["dataset"], f"{r['temperature']:g}", r["run"], _num(r["tau"]),
-                 _num(1000 * r["draft_seconds_per_round"], " ms", 1), _num(r["tokens_per_second"], digits=1)] for r in drafts]
+                 _num(1000 * r["draft_seconds_per_round"], " ms", 1), _num(r["tokens_per_second"], digits=1)]
+                for r in drafts]
         markdown += "\n".join(["", "## One draft model: exitspec's trees against transformers' chains", "",
                                 *_markdown_table(["dataset", "T", "run", "τ", "draft a round", "tok/s"], body), ""])
     paths["markdown"].write_text(markdown)
@@ -323,7 +367,8 @@ def write_comparison(a: str | Path, b: str | Path, out_dir: str | Path) -> dict[
 
 def main_table_markdown(table: dict) -> list[str]:
     """The Table-1 Markdown lines of main_table's result."""
-    header = ["Dataset", "T"] + [f"{label} {k}" for label in table["columns"] for k in ("τ", "SR", "SR_HF")]
+    header = ["Dataset", "T"] + [f"{label} {k}" for label in table["columns"]
+                                 for k in ("τ", "SR", "SR without loops", "SR_HF")]
     body = []
     for row in table["rows"]:
         cells = [f"**{row['dataset']}**" if row["dataset"] == "mean" else row["dataset"], f"{row['temperature']:g}"]
@@ -331,7 +376,9 @@ def main_table_markdown(table: dict) -> list[str]:
             v = row["values"].get(label)
             spread = v and v.get("sr_ar_quartiles")
             sr = _num(v and v["sr_ar"], "×") + (f" ({spread[0]:.2f}–{spread[2]:.2f})" if spread else "")
-            cells += [_num(v and v["tau"]), sr, _num(v and v["sr_hf"], "×")]
+            looped = f" ({v['looped']} of {v['rows']} rows looped)" if v and v.get("looped") else ""
+            cells += [_num(v and v["tau"]), sr, _num(v and v.get("sr_ar_without_loops"), "×") + looped,
+                      _num(v and v["sr_hf"], "×")]
         body.append(cells)
     return _markdown_table(header, body)
 
@@ -362,7 +409,9 @@ def _report_markdown(envs: list[dict], table: dict, crossed: dict, paired: dict,
     legend = ("τ: mean tokens per round (accepted + bonus). SR: speedup over exitspec's autoregressive loop on the "
               "same backend; SR_HF: over transformers' `model.generate`. Both: baseline seconds / speculative "
               "seconds per generated token, summed over the cell's prompts. In brackets: the quartiles of SR per "
-              "prompt, each against the baseline measured right before it (the spread a busy machine leaves).")
+              "prompt, each against its paired baseline (the spread a busy machine leaves). Without loops: the "
+              "same, leaving out prompts of which an answer ends in a repetition loop (its last "
+              f"{LOOP_SPAN} tokens came before, in the answer or the conversation).")
     lines += ["", legend, ""]
     if len(crossed["rows"]) > 1:
         lines += ["## By drafter (τ / SR, means over datasets)", "", *drafter_table_markdown(crossed), ""]
@@ -370,12 +419,13 @@ def _report_markdown(envs: list[dict], table: dict, crossed: dict, paired: dict,
                   *paired_tau_markdown(paired), "",
                   "Mean ± standard error over the prompts both drafters ran, the same prompt, seed and setting.", ""]
     lines += ["## Details", ""]
-    header = ["Dataset", "T", "config", "prompts", "tokens", "τ", "mean C_p", "tok/s", "AR tok/s", "HF tok/s",
-              "SR", "SR_HF", "= AR at T=0"]
+    header = ["Dataset", "T", "config", "prompts", "looped", "tokens", "τ", "mean C_p", "tok/s", "AR tok/s",
+              "HF tok/s", "SR", "SR_HF", "= AR at T=0"]
     body = []
     for c in cells:
         body.append([c["dataset"], f"{c['temperature']:g}", labels[tuple(c[f] for f in CONFIG)], str(c["prompts"]),
-                     str(c["new_tokens"]), _num(c["tau"]), _num(c["mean_coverage"]), _num(c["tokens_per_second"], "", 1),
+                     str(c["looped"]), str(c["new_tokens"]), _num(c["tau"]), _num(c["mean_coverage"]),
+                     _num(c["tokens_per_second"], "", 1),
                      _num(c["ar_tokens_per_second"], "", 1), _num(c["hf_tokens_per_second"], "", 1),
                      _num(c["sr_ar"], "×"), _num(c["sr_hf"], "×"),
                      "-" if c["matches_ar"] is None else f"{100 * c['matches_ar']:.0f}%"])
@@ -515,7 +565,8 @@ def _plot_accepted(cells: list[dict]):
             total = sum(hist.values()) or 1
             xs = sorted(hist)
             offset = (i - (len(hists) - 1) / 2) * width
-            ax.bar([x + offset for x in xs], [hist[x] / total for x in xs], width=width, label=label, color=colours[label])
+            ax.bar([x + offset for x in xs], [hist[x] / total for x in xs], width=width, label=label,
+                   color=colours[label])
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(f"T = {t:g}")
         ax.set_xlabel("accepted draft tokens per round")

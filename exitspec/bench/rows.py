@@ -15,9 +15,11 @@ version than this code knows is refused, never half read.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 ROW_VERSION = 3
+LOOP_SPAN = 16  # tokens: an answer whose last LOOP_SPAN tokens came before is in a repetition loop
 
 
 @dataclass(kw_only=True)
@@ -165,3 +167,14 @@ def load_row(line: str) -> Row:
         return cls(**values)
     except TypeError as e:
         raise ValueError(f"{kind} row is incomplete: {e}") from None
+
+
+def loops(answer: Sequence[int], earlier: Sequence[Sequence[int]] = ()) -> bool:
+    """Whether an answer ends in a repetition loop: its last LOOP_SPAN tokens occurred before, in the answer itself
+    or in the earlier answers of its conversation (`earlier`, a second turn that repeats the first). Such answers
+    are what suffix trees predict whole (τ of 15-26 on MT-Bench), so every table shows its means without them."""
+    if len(answer) < 2 * LOOP_SPAN:
+        return False
+    tail = tuple(answer[-LOOP_SPAN:])
+    texts = [tuple(answer[:-1])] + [tuple(e) for e in earlier]  # an earlier start, possibly overlapping the tail
+    return any(text[i : i + LOOP_SPAN] == tail for text in texts for i in range(len(text) - LOOP_SPAN + 1))

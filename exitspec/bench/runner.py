@@ -16,11 +16,12 @@ SR = baseline seconds / speculative seconds for the same number of tokens (total
 call, prefill included, per generated token; at temperature 0 both runs emit the same tokens and it is the
 plain ratio of seconds). Each kind of run is warmed up once (8 tokens) before its first timed call.
 
-Rows (rows.py: EnvRow, BaselineRow, SpecRow) are appended to one JSONL file, flushed and fsynced as they are measured; a rerun with the same file
-skips every row already there (key: kind, dataset, prompt id, turn, repeat, seed, sampling settings,
-max_new_tokens and, for spec rows, the config), so a killed run loses nothing it had measured. The file
-starts with an "env" row per session; a rerun refuses a file measured with another model, dtype, device or
-thread count.
+Rows (rows.py: EnvRow, BaselineRow, SpecRow) are appended to one JSONL file, flushed and fsynced as they are
+measured; a rerun with the same file skips every row already there (key: kind, dataset, prompt id, turn,
+repeat, seed, sampling settings, max_new_tokens and, for spec rows, the config), so a killed run loses nothing
+it had measured. The file starts with an "env" row per session; a rerun refuses a file measured with another
+model, dtype, device or thread count. Repeats alternate the order (Plan.steps): even ones time the baseline
+first, odd ones the first spec config, so `--repeats 2` pairs every prompt's runs both ways round.
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from exitspec.bench.rows import ARRun, BaselineRow, EnvRow, HFRun, PeerRow, Row, SpecRow, dump_row, load_row
 from exitspec.budget import CostModel
 from exitspec.data import Sample
-from exitspec.decode import SpeculativeDecoder, default_stop_tokens, encode_prompt
+from exitspec.decode import GenerationResult, SpeculativeDecoder, default_stop_tokens, encode_prompt
 from exitspec.drafters import drafter_folder
 from exitspec.drafters.chain import CHAIN_PREFIX
 from exitspec.models import default_model_dir
 from exitspec.sampling import SamplingParams
-from exitspec.settings import budget_cap, parse_budget
+from exitspec.settings import budget_cap, cpu_name, parse_budget
 from exitspec.timing import StageTimer
 from exitspec.verify import check_verifier
 
@@ -117,15 +118,18 @@ class Plan:
         return [c for c in self.configs if c.verifier != "greedy" or temperature == 0]
 
     def steps(self) -> Iterator[Step]:
-        """Every row in run order; a turn's baseline comes before its spec rows and after the turns before it."""
+        """Every row in run order, after the turns before it. Repeats alternate which runs first: an even repeat
+        times the baseline, then the spec configs; an odd one the first spec config, then the baseline (measured
+        within that spec step, `_measure`), then the rest. So `--repeats 2` pairs A S with S A."""
         for name, samples in self.datasets.items():
             for sample in samples:
                 for temperature in self.temperatures:
                     configs = self.configs_at(temperature)
                     for repeat in range(self.repeats):
+                        order = (None, *configs) if repeat % 2 == 0 or not configs else (configs[0], None, *configs[1:])
                         for turn in range(sample.num_turns):
                             measured = turn >= sample.context_turns  # a context turn needs only its AR answer
-                            for config in (None, *configs) if measured else (None,):
+                            for config in order if measured else (None,):
                                 yield Step(name, sample, temperature, repeat, turn, config)
 
     def ends_measured_turn(self, step: Step) -> bool:
@@ -310,12 +314,16 @@ class Runner:
                         tokens_per_second=len(hf_tokens) / hf_seconds if hf_seconds > 0 else 0.0),
         }
 
-    def speculative(self, config: Config, prompt_ids: list[int], gen: dict, baseline: BaselineRow) -> dict:
-        """One speculative run of `config`, with its SRs against `baseline` (a baseline row)."""
+    def speculative(self, config: Config, prompt_ids: list[int], gen: dict) -> GenerationResult:
+        """One speculative run of `config` (warmed up the first time)."""
         decoder = self.decoders[config.drafter]
         settings = dict(gen, budget=config.budget, verifier=config.verifier, stop_tokens=self.stops)
         self._warm_up(config, lambda g: decoder.generate(prompt_ids, **dict(settings, **g), learn=False), gen)
-        result = decoder.generate(prompt_ids, **settings)
+        return decoder.generate(prompt_ids, **settings)
+
+    @staticmethod
+    def paired(config: Config, result: GenerationResult, baseline: BaselineRow) -> dict:
+        """A spec row's fields: `result` of `config` with its SRs against `baseline` (a baseline row)."""
         if baseline.ar.forward and result.forward_config != baseline.ar.forward:
             raise ValueError(f"{config.drafter} ran forward configuration {result.forward_config}, its baseline row "
                              f"{baseline.ar.forward}: SR would compare unlike runs; use another --out folder")
@@ -362,7 +370,8 @@ class _Live:
     def add(self, row: SpecRow) -> str:
         self.accepted += sum(row.accepted_lengths)
         self.rounds += row.rounds
-        for kind, seconds, tokens in (("spec", row.total_seconds, row.new_tokens), ("ar", row.ar_seconds, row.ar_tokens)):
+        runs = (("spec", row.total_seconds, row.new_tokens), ("ar", row.ar_seconds, row.ar_tokens))
+        for kind, seconds, tokens in runs:
             self.seconds[kind] += seconds
             self.tokens[kind] += tokens
         sr = speedup(self.seconds["ar"], self.tokens["ar"], self.seconds["spec"], self.tokens["spec"])
@@ -418,19 +427,26 @@ def _prompts(plan: Plan, runner: Runner, results: ResultsFile) -> Iterator[tuple
 
 def _measure(plan: Plan, runner: Runner, results: ResultsFile, step: Step, key: dict, prompt_ids: list[int]
              ) -> BaselineRow | SpecRow:
-    """The row of one step: the baselines, or a spec run against the recorded baselines of the same prompt."""
+    """The row of one step: the baselines, or a spec run against the recorded baselines of the same prompt. A spec
+    step whose baseline is not measured yet (an odd repeat, Plan.steps) runs first, then measures the baseline and
+    appends its row: a pair timed S then A."""
     prompt = {"prompt_tokens": len(prompt_ids), "prompt_sha": _sha(json.dumps(prompt_ids).encode())}
     gen = {"max_new_tokens": plan.max_new_tokens, "temperature": step.temperature, "top_p": plan.top_p,
            "top_k": plan.top_k, "seed": key["seed"]}
     fields = {k: v for k, v in key.items() if k != "kind"}
+    base_key = plan.key(replace(step, config=None))
     if step.config is None:
         return BaselineRow(**fields, **prompt, **runner.baseline(prompt_ids, gen))
-    baseline = results.get({**key, "kind": "baseline"})
+    baseline = results.get(base_key)
+    result = runner.speculative(step.config, prompt_ids, gen)
+    if baseline is None:
+        baseline = BaselineRow(**{k: v for k, v in base_key.items() if k != "kind"}, **prompt,
+                               **runner.baseline(prompt_ids, gen))
+        results.append(baseline)
     if baseline.prompt_sha != prompt["prompt_sha"]:
         raise ValueError(f"the prompt of {step.dataset}/{step.sample.id} turn {step.turn} is not the one its recorded "
                          "baseline was measured on; use another --out folder")
-    return SpecRow(**fields, **prompt, **runner.speculative(step.config, prompt_ids, gen, baseline))
-
+    return SpecRow(**fields, **prompt, **runner.paired(step.config, result, baseline))
 
 
 def environment(model: str | Path | None, runner: Runner, drafters: list[str], lookup: str = "auto") -> EnvRow:
@@ -479,11 +495,3 @@ def folder_sha(folder: Path) -> str:
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()

@@ -40,7 +40,8 @@ def main() -> None:
         start = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         runs.append({"tokens": list(out.token_ids), "seconds": time.perf_counter() - start})
-    print(RESULT_PREFIX + json.dumps({"runs": runs, "vllm": vllm.__version__, "load_seconds": load_seconds}), flush=True)
+    result = {"runs": runs, "vllm": vllm.__version__, "load_seconds": load_seconds}
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,17 +22,11 @@ __all__ = [
 
 TRAINING_FREE = ("ngram", "suffix")  # drafters without a checkpoint: prompt lookup, suffix trees
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
-# the DFlash drafters shipped for the default model (SmolLM2-135M-Instruct), by spec name:
-#   dflash     trained on 8626 target rollouts (chat, code, math; greedy and T = 1) with the kl (Draft-OPD) loss;
-#              record in data/dflash-runs/smollm2-135m-instruct-v2
-#   dflash-v1  the first drafter, on 800 greedy rollouts; record in data/dflash-runs/smollm2-135m-instruct
-#   exittrain  dflash-v1 fine-tuned with the exit-weighted loss; record in data/exittrain-runs/smollm2-135m-instruct
-SHIPPED = {
-    "dflash": _ASSETS / "dflash-smollm2-135m-instruct",
-    "dflash-v1": _ASSETS / "dflash-v1-smollm2-135m-instruct",
-    "exittrain": _ASSETS / "exittrain-smollm2-135m-instruct",
-}
-# the corpus-lookup table of the default model's own responses, which the shipped drafters use
+# the DFlash drafter shipped for the default model (SmolLM2-135M-Instruct), by spec name: trained on 8626 target
+# rollouts (chat, code, math; greedy and T = 1) with the kl (Draft-OPD) loss; record in
+# data/dflash-runs/smollm2-135m-instruct-v2
+SHIPPED = {"dflash": _ASSETS / "dflash-smollm2-135m-instruct"}
+# the corpus-lookup table of the default model's own responses, which the shipped drafter uses
 SHIPPED_LOOKUP = _ASSETS / "lookup-smollm2-135m-instruct" / LOOKUP_NAME
 
 
@@ -65,7 +59,7 @@ def drafter_folder(spec: str | Path) -> Path | None:
 
 
 def load_drafter(spec: str | Path, target_hf_model, lookup: str | Path = "auto", weight_copies: bool = True) -> Drafter:
-    """A shipped drafter's name ('dflash', 'dflash-v1', 'exittrain'), 'ngram' (prompt lookup) or 'suffix' (suffix
+    """A shipped drafter's name ('dflash'), 'ngram' (prompt lookup) or 'suffix' (suffix
     trees; both training-free), a DFlash checkpoint folder for this target model, a draft model (model:PATH, a
     causal LM folder of the target's tokenizer; layers:K, the target's first K layers), each growing dynamic
     trees (model.py; `weight_copies` as the target's: TargetModel); chain:SPEC for the best path of SPEC's trees.

@@ -2,12 +2,12 @@
 
 One round, as the decode loop drives it (shapes for one sequence):
 
-    drafter.calibrate_for(params)                          # once per sequence: the sampling settings it is for
-    proposal = drafter.propose(context, max_depth, cheap)  # context: the L token ids so far (a list); the last roots the tree
+    drafter.estimate_for(params)                           # once per sequence: the sampling settings it is for
+    proposal = drafter.propose(context, max_depth, cheap)  # context: the L token ids so far (a list), the last the root
     tree = drafter.build(proposal, root_token, budget)     # DraftTree with at most `budget` non-root nodes
     ... --budget auto may verify only tree.head(n) ...
     ... one target forward over the tree, a verifier picks root → path plus a bonus token ...
-    drafter.observe(tree, reach)                           # the realised P(u) of the tree's N+1 nodes (a list), NaN where unseen
+    drafter.observe(tree, reach)                           # the realised P(u) of the N+1 nodes (a list), NaN: unseen
     drafter.commit(committed_ids, committed_features)      # the root and the accepted path, now in the target cache
 
 `cheap` asks for a draft from the drafter's cheapest source only (for DFlash: prompt lookup without the
@@ -20,8 +20,8 @@ states of the target layers named by `feature_layers` (outputs of those decoder 
 per token that the target's KV cache holds; a drafter that reads none has `feature_layers = ()` and
 receives `None`.
 
-What the estimates learned outlives the process: warm.py saves `calibration_state()` after a run, under the
-drafter's `identity()`, and a later process's decoder hands it back through `load_calibration`. A drafter
+What the estimates learned outlives the process: warm.py saves `estimates_state()` after a run, under the
+drafter's `identity()`, and a later process's decoder hands it back through `load_estimates`. A drafter
 that drafts from the target's earlier answers (suffix.py) gets each finished one through `learn`, and warm.py
 keeps its `memory()` on disk too.
 """
@@ -41,7 +41,7 @@ from exitspec.tree import DraftTree
 class Drafter(Protocol):
     feature_layers: tuple[int, ...]
 
-    def calibrate_for(self, setting: Hashable) -> None:
+    def estimate_for(self, setting: Hashable) -> None:
         """Estimates of P(u) for the sampling settings (SamplingParams) of the sequences to come: P(u) depends on
         them, so a drafter that learns its estimates keeps them per setting."""
 
@@ -49,12 +49,12 @@ class Drafter(Protocol):
         """What this drafter is, as one string: its kind and parameters, and for trained weights or a table a
         digest of them. Warm-start files (warm.py) keep the learned state of each identity apart."""
 
-    def calibration_state(self) -> dict:
-        """What the estimates of P(u) learned under the current setting (calibrate_for), JSON-ready; {} for a
+    def estimates_state(self) -> dict:
+        """What the estimates of P(u) learned under the current setting (estimate_for), JSON-ready; {} for a
         drafter that learns nothing."""
 
-    def load_calibration(self, state: dict) -> None:
-        """Restores a calibration_state() for the current setting; ValueError (and nothing changed) if it does
+    def load_estimates(self, state: dict) -> None:
+        """Restores an estimates_state() for the current setting; ValueError (and nothing changed) if it does
         not fit this drafter."""
 
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:

@@ -36,17 +36,17 @@ class ChainDrafter:
         self.inner = inner
         self.feature_layers = inner.feature_layers
 
-    def calibrate_for(self, setting) -> None:
-        self.inner.calibrate_for(setting)
+    def estimate_for(self, setting) -> None:
+        self.inner.estimate_for(setting)
 
     def identity(self) -> str:
         return CHAIN_PREFIX + self.inner.identity()
 
-    def calibration_state(self) -> dict:
-        return self.inner.calibration_state()
+    def estimates_state(self) -> dict:
+        return self.inner.estimates_state()
 
-    def load_calibration(self, state: dict) -> None:
-        self.inner.load_calibration(state)
+    def load_estimates(self, state: dict) -> None:
+        self.inner.load_estimates(state)
 
     def begin(self, prompt_ids, features) -> None:
         self.inner.begin(prompt_ids, features)
@@ -64,7 +64,7 @@ class ChainDrafter:
         return DraftTree.chain(root_token, [tree.token_list[u] for u in spine[1:]], tree.device, scores)
 
     def observe(self, tree: DraftTree, reach) -> None:
-        pass  # the inner drafter calibrates on the trees it built, not on their spines
+        pass  # the inner drafter learns from the trees it built, not on their spines
 
     def commit(self, committed_ids, features) -> None:
         self.inner.commit(committed_ids, features)

@@ -13,7 +13,7 @@ target has just accepted (the root and the accepted path), exactly as `begin` fi
 Copy candidates: suffix drafting (suffix.py) also proposes what followed the longest earlier match of the
 context's tail in this request and in the target's earlier answers, and corpus lookup (lookup.py), where the
 drafter has a table of its target's own responses, what followed the context's last tokens there. All
-sources' nodes are ranked on one scale, their calibrated estimates of P(u) (calibrate.py), and the tree takes
+sources' nodes are ranked on one scale, their learned estimates of P(u) (estimates.py), and the tree takes
 the best of the union. A `cheap` round skips the block forward and drafts from the copy sources alone.
 """
 
@@ -27,20 +27,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from exitspec.budget import cheaper_panels
 from exitspec.build import build_ddtree
-from exitspec.calibrate import (
-    SourceMerge,
-    lookup_bins,
-    lookup_calibrator,
-    model_bins,
-    model_calibrator,
-)
 from exitspec.drafters.dflash_model import DFlashConfig, DFlashModel
 from exitspec.drafters.lookup import LookupProposal, NgramTable
 from exitspec.drafters.suffix import SOURCES, SuffixMemory, SuffixProposal, SuffixSource
 from exitspec.drafters.suffix import identity as suffix_identity
 from exitspec.drafters.vocab import DraftHead
+from exitspec.estimates import (
+    SourceMerge,
+    lookup_bins,
+    lookup_estimator,
+    model_bins,
+    model_estimator,
+)
+from exitspec.lean import cheaper_panels
 from exitspec.tree import DraftTree
 
 
@@ -103,7 +103,8 @@ class DFlashDrafter:
             )
         cfg.check_target(hidden_size=hidden, vocab_size=vocab)
         if lookup is not None and lookup.vocab_size != vocab:
-            raise ValueError(f"the lookup table is for a vocabulary of {lookup.vocab_size} tokens, the target has {vocab}")
+            raise ValueError(f"the lookup table is for a vocabulary of {lookup.vocab_size} tokens, the target has "
+                             f"{vocab}")
         self.device = torch.device(device) if device is not None else target_embeddings.weight.device
         self.model = model.to(self.device).eval()
         self.embed = target_embeddings
@@ -119,14 +120,14 @@ class DFlashDrafter:
         self.lookup = lookup
         self.suffix = SuffixSource(SuffixMemory(vocab)) if suffix_source else None
         self._identity: str | None = None  # identity(), computed on first use
-        self.reset_calibration()
+        self.reset_estimates()
 
-    def reset_calibration(self) -> None:
+    def reset_estimates(self) -> None:
         """Forgets what the estimates of P(u) learned (they persist across sequences otherwise)."""
         self.merge = SourceMerge({
-            "model": (model_calibrator, lambda t: model_bins(t.scores)),
-            "lookup": (lookup_calibrator, lookup_bins),
-            **{name: (lookup_calibrator, lookup_bins) for name in SOURCES},  # the suffix trees'
+            "model": (model_estimator, lambda t: model_bins(t.scores)),
+            "lookup": (lookup_estimator, lookup_bins),
+            **{name: (lookup_estimator, lookup_bins) for name in SOURCES},  # the suffix trees'
         })
 
     @classmethod
@@ -147,12 +148,12 @@ class DFlashDrafter:
 
     # -- the Drafter protocol ------------------------------------------------------------------------------
 
-    def calibrate_for(self, setting: Hashable) -> None:
+    def estimate_for(self, setting: Hashable) -> None:
         self.merge.use(setting)
 
     def identity(self) -> str:
-        """'dflash:' and a digest of the config and weights, then the lookup table's digest and the suffix trees' identity where those
-        sources draft too. Computed once: the weights are frozen at inference."""
+        """'dflash:' and a digest of the config and weights, then the lookup table's digest and the suffix trees'
+        identity where those sources draft too. Computed once: the weights are frozen at inference."""
         if self._identity is None:
             digest = hashlib.sha256(json.dumps(self.model.config.to_dict(), sort_keys=True).encode())
             for name, tensor in self.model.state_dict().items():
@@ -163,10 +164,10 @@ class DFlashDrafter:
             self._identity = f"dflash:{digest.hexdigest()[:16]}{lookup}{suffix}"
         return self._identity
 
-    def calibration_state(self) -> dict:
+    def estimates_state(self) -> dict:
         return self.merge.state(self.merge.setting)
 
-    def load_calibration(self, state: dict) -> None:
+    def load_estimates(self, state: dict) -> None:
         self.merge.load_state(self.merge.setting, state)
 
     @torch.inference_mode()
@@ -210,7 +211,7 @@ class DFlashDrafter:
 
     def build(self, proposal: DFlashProposal, root_token: int, budget: int) -> DraftTree:
         """The `budget` best nodes of the DDTree over the marginals (the most probable prefixes), the suffix
-        trees' speculations and the lookup tree, ranked by their calibrated estimates of P(u)."""
+        trees' speculations and the lookup tree, ranked by their learned estimates of P(u)."""
         candidates = {}
         if proposal.marginals is not None and proposal.marginals.shape[0]:
             candidates["model"] = build_ddtree(proposal.marginals, root_token, budget)
@@ -222,7 +223,7 @@ class DFlashDrafter:
 
     def observe(self, tree: DraftTree, reach: list[float]) -> None:
         """The realised reach probabilities P(u) [N+1] (NaN: unobserved) of the last tree built (Eq. 2)
-        calibrate its sources."""
+        teach its sources' estimates."""
         self.merge.observe(tree, reach)
 
     @torch.inference_mode()

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from exitspec.atomic import atomic_folder
 from exitspec.drafters.vocab import check_draft_vocab
 from exitspec.jsonfiles import read_json
-from exitspec.lean import rms_norm
+from exitspec.lean import apply_rope, rms_norm
 from exitspec.models import check_safetensors
 
 CONFIG_NAME = "config.json"
@@ -87,7 +87,8 @@ class DFlashConfig:
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise ValueError(f"target_layer_ids must be non-empty and >= 0, got {list(self.target_layer_ids)}")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}")
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
+                             f"got {self.draft_vocab_size}")
 
     @property
     def feature_size(self) -> int:
@@ -235,18 +236,12 @@ class RMSNorm(nn.Module):
 
 
 def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and the signed sin [..., hd] fp32 of integer positions [...] (half-split layout, as HF Llama/Qwen3).
-    The sin's first half is negated, so a rotation is x·cos + roll(x, hd/2)·sin (apply_rope)."""
+    """cos and sin [..., hd] fp32 of integer positions [...] (half-split layout, as HF Llama/Qwen3), for
+    lean.apply_rope."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = positions[..., None].float() * inv_freq  # [..., hd/2]
-    sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])  # [hd]
     angles = torch.cat([angles, angles], dim=-1)  # [..., hd]
-    return angles.cos(), angles.sin() * sign
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, T, hd] rotated by cos, signed sin [B, 1, T, hd] (`rope`): x·cos + [−x2, x1]·|sin|."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    return angles.cos(), angles.sin()
 
 
 class MLP(nn.Module):
@@ -389,7 +384,7 @@ class DFlashModel(nn.Module):
         self.register_buffer("draft_vocab", vocab.to(self.fc.weight.device))
 
     @torch.no_grad()
-    def calibrate_fc(self, features: Tensor) -> None:
+    def rescale_fc(self, features: Tensor) -> None:
         """Data-dependent init of a fresh drafter: divides fc's input column j by the RMS of feature dim j over
         `features` [n, F] (context rows of real text). LLM residual streams carry a few massive-activation
         dims (in SmolLM2-135M layer 27, one dim's RMS is ~30× the median), which would otherwise dominate
@@ -419,7 +414,7 @@ class DFlashModel(nn.Module):
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
     def rope(self, positions: Tensor | range, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, signed sin [B, 1, T, hd] of positions [B, T]; a range of T positions (one sequence, B = 1, the
+        """cos, sin [B, 1, T, hd] of positions [B, T]; a range of T positions (one sequence, B = 1, the
         decode loop's) is a slice of a table made once and grown by doubling, the same numbers without the ops."""
         cfg = self.config
         if not isinstance(positions, range):

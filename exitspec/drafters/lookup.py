@@ -10,8 +10,8 @@ x_{t-k+1..t}, the longest k ≤ K whose n-gram the table holds gives the next-to
 
 kept for the `width` most frequent y. The candidate tree is best-first over prefix probabilities
 q(x_1..x_d) = Π_i q(x_i | context, x_<i) (build.build_best_first, DDTree's search over a count model), and
-DFlashDrafter ranks its nodes against the model's and prompt lookup's on one scale of calibrated P(u)
-(calibrate.py), as it does a model's prefix probabilities.
+DFlashDrafter ranks its nodes against the model's and prompt lookup's on one scale of estimated P(u)
+(estimates.py), as it does a model's prefix probabilities.
 
 The table lives in a safetensors file (`exitspec train lookup` writes one from a rollout folder): per order
 k, contexts [M_k, k] and next tokens [M_k, width] (int32, −1 pads) with their estimates q [M_k, width]
@@ -157,7 +157,8 @@ class NgramTable:
             keys = sorted(rows)  # one file for one table, whatever order it was built in
             index = [rows[key] for key in keys]
             tensors |= {
-                f"contexts_{k}": torch.tensor([self._context(key, k) for key in keys], dtype=torch.int32).reshape(-1, k),
+                f"contexts_{k}": torch.tensor([self._context(key, k) for key in keys],
+                                              dtype=torch.int32).reshape(-1, k),
                 f"tokens_{k}": torch.from_numpy(self.tokens[k - 1][index]),
                 f"probs_{k}": torch.from_numpy(self.probs[k - 1][index]),
             }

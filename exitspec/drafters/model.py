@@ -8,13 +8,13 @@ supports the model), which holds the context but its last token:
     depth 1: the root's top-`children` tokens, scored s(u) = Π q along the path (the draft's P(u))
     depth d: the `children` best new nodes by s are expanded: one tree forward over every expanded node so far
              (the tree mask), logits of the new ones only; their top-`children` tokens join the candidates
-    ─▶ all candidates, best first by s ─ SourceMerge: calibrated to the target's P(u) by (on the draft's greedy
+    ─▶ all candidates, best first by s ─ SourceMerge: estimates of the target's P(u) by (on the draft's greedy
        path or not) × depth × s bin ─▶ tree
 
 So a round costs `depth` draft forwards (the first also catches up on the tokens the target accepted) and the
 candidates number up to `children` + (depth − 1)·children². At T > 0 the draft's probabilities are warped
 by the round's temperature; at T = 0 they stay at T = 1 (a confidence, not a draw). `--budget auto` weighs
-their calibrated estimates against the target's cost, like DFlash's.
+their learned estimates against the target's cost, like DFlash's.
 
 `first_layers(model, k)` makes the target's first k layers, its final norm and its LM head into a draft model
 that shares the target's weights (self-speculation, LayerSkip-style, without early-exit training).
@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 
 from exitspec.budget import calibrate
 from exitspec.build import ranked_tree
-from exitspec.calibrate import SourceMerge, draft_path_bins, draft_path_calibrator
+from exitspec.estimates import SourceMerge, draft_path_bins, draft_path_estimator
 from exitspec.models import load_model_and_tokenizer
 from exitspec.target import TargetModel
 from exitspec.tree import DraftTree
@@ -66,11 +66,11 @@ class ModelDrafter:
         self.draft = TargetModel(draft_model, weight_copies=weight_copies)  # its own KV cache over its weights
         calibrate(self.draft, (depth - 1) * children)
         self.name, self.children, self.depth = name, children, depth
-        self.merge = SourceMerge({"model": (draft_path_calibrator, draft_path_bins)})
+        self.merge = SourceMerge({"model": (draft_path_estimator, draft_path_bins)})
         self.temperature = 1.0
         self._cached = 0  # context tokens in the draft's cache
 
-    def calibrate_for(self, setting: Hashable) -> None:
+    def estimate_for(self, setting: Hashable) -> None:
         self.merge.use(setting)
         temperature = getattr(setting, "temperature", 0.0)
         self.temperature = float(temperature) if temperature > 0 else 1.0
@@ -80,10 +80,10 @@ class ModelDrafter:
         digest = hashlib.sha256(config.encode()).hexdigest()[:16]
         return f"model:{self.name} config={digest} children={self.children} depth={self.depth}"
 
-    def calibration_state(self) -> dict:
+    def estimates_state(self) -> dict:
         return self.merge.state(self.merge.setting)
 
-    def load_calibration(self, state: dict) -> None:
+    def load_estimates(self, state: dict) -> None:
         self.merge.load_state(self.merge.setting, state)
 
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
@@ -185,7 +185,8 @@ def load_draft_model(folder: Path, target_model: nn.Module) -> nn.Module:
     """A draft model folder on the target's device and dtype, refused with one line when its tokenizer is not the
     target's (vocabulary size, or the token→id maps where both folders hold a tokenizer)."""
     draft, tokenizer = load_model_and_tokenizer(folder, target_model.device, target_model.dtype)
-    vocab, target_vocab = draft.get_output_embeddings().weight.shape[0], target_model.get_output_embeddings().weight.shape[0]
+    vocab = draft.get_output_embeddings().weight.shape[0]
+    target_vocab = target_model.get_output_embeddings().weight.shape[0]
     if vocab != target_vocab:
         raise ValueError(f"draft model {folder} has a vocabulary of {vocab} tokens, the target {target_vocab}: "
                          "a draft model needs the target's tokenizer")

@@ -3,7 +3,7 @@
 The drafter finds earlier places in the context whose preceding tokens match the context's last tokens
 (its suffix n-gram, n = max_ngram down to min_ngram) and proposes the tokens that followed them. The
 continuations go into a trie (`build.build_trie`), so the tree keeps the tokens that most matches agree on.
-Its nodes carry calibrated estimates of P(u) (calibrate.py), learned from the rounds the target verified.
+Its nodes carry learned estimates of P(u) (estimates.py), learned from the rounds the target verified.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from exitspec.build import build_trie
-from exitspec.calibrate import SourceMerge, copy_bins, copy_calibrator
+from exitspec.estimates import SourceMerge, copy_bins, copy_estimator
 from exitspec.tree import DraftTree
 
 
@@ -37,18 +37,18 @@ class NgramDrafter:
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
         self.max_ngram, self.min_ngram, self.max_candidates = max_ngram, min_ngram, max_candidates
-        self.merge = SourceMerge({"copy": (copy_calibrator, copy_bins)})
+        self.merge = SourceMerge({"copy": (copy_estimator, copy_bins)})
 
-    def calibrate_for(self, setting: Hashable) -> None:
+    def estimate_for(self, setting: Hashable) -> None:
         self.merge.use(setting)
 
     def identity(self) -> str:
         return f"ngram(max_ngram={self.max_ngram}, min_ngram={self.min_ngram}, max_candidates={self.max_candidates})"
 
-    def calibration_state(self) -> dict:
+    def estimates_state(self) -> dict:
         return self.merge.state(self.merge.setting)
 
-    def load_calibration(self, state: dict) -> None:
+    def load_estimates(self, state: dict) -> None:
         self.merge.load_state(self.merge.setting, state)
 
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:
@@ -64,7 +64,8 @@ class NgramDrafter:
         return None
 
     def propose(self, context: Sequence[int], max_depth: int, cheap: bool = False) -> NgramProposal:
-        """Up to max_candidates continuations (each <= max_depth tokens) of earlier suffix matches in the context's L tokens.
+        """Up to max_candidates continuations (each <= max_depth tokens) of earlier suffix matches in the context's L
+        tokens.
 
         A match starting the continuation at position e has length m = how many tokens before e equal the
         context's last tokens (at most max_ngram); matches with m >= min_ngram count. They rank by m, then by
@@ -94,11 +95,11 @@ class NgramDrafter:
         return build_trie(root_token, proposal.continuations, proposal.weights, budget)
 
     def build(self, proposal: NgramProposal, root_token: int, budget: int) -> DraftTree:
-        """The trie's nodes ranked by their calibrated estimates of P(u), the best `budget` of them."""
+        """The trie's nodes ranked by their learned estimates of P(u), the best `budget` of them."""
         candidates = {"copy": self.trie(proposal, root_token, budget)} if proposal.continuations else {}
         return self.merge.build(root_token, candidates, budget)
 
     def observe(self, tree: DraftTree, reach: list[float]) -> None:
-        """The realised reach probabilities P(u) [N+1] (NaN: unobserved) of the last tree built calibrate its
+        """The realised reach probabilities P(u) [N+1] (NaN: unobserved) of the last tree built teach its
         estimates."""
         self.merge.observe(tree, reach)

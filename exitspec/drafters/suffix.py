@@ -13,7 +13,7 @@ speculation tree from the continuations seen after it, best first by their frequ
 
 as long as the tree holds at most α · (match length) nodes and q stays above `MIN_PROBABILITY`. Unlike vLLM,
 which collapses the tree to one chain, exitspec keeps both trees as candidate sources: the drafter ranks their
-nodes against its other sources' on one scale of calibrated P(u) (calibrate.py: bins of depth × q), and the
+nodes against its other sources' on one scale of estimated P(u) (estimates.py: bins of depth × q), and the
 verifier checks the merged tree exactly at any temperature.
 
 The memory lives in a safetensors file: every answer's tokens back to back (`tokens` int32 [T]) and where
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from exitspec.atomic import atomic_file
 from exitspec.build import ranked_tree
-from exitspec.calibrate import SourceMerge, lookup_bins, lookup_calibrator
+from exitspec.estimates import SourceMerge, lookup_bins, lookup_estimator
 from exitspec.tree import DraftTree
 
 MAX_MATCH = 64  # the longest context tail a suffix tree matches (its depth)
@@ -46,7 +46,7 @@ MIN_PROBABILITY = 0.1  # nodes whose frequency estimate q falls below this are n
 MEMORY_TOKENS = 250_000  # default bound on a memory's stored tokens: about 75 MiB of suffix tree (291 MiB at 1M)
 MIN_ANSWER = 2  # shorter answers teach nothing
 MAX_NODES = 32  # a suffix tree's speculation holds at most this many nodes
-SOURCES = ("request", "memory")  # the candidate sources, each with its calibrator
+SOURCES = ("request", "memory")  # the candidate sources, each with its estimator
 VERSION = 2  # of how proposals are made (2: the request tree leaves out the context's last token)
 
 
@@ -205,24 +205,24 @@ class SuffixSource:
 
 class SuffixDrafter:
     """The suffix trees alone as a drafter (training-free, like prompt lookup, for any target): their candidate
-    trees merged on the calibrated P(u) scale. It reads no target features."""
+    trees merged on the estimated P(u) scale. It reads no target features."""
 
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, vocab_size: int):
         self.source = SuffixSource(SuffixMemory(vocab_size))
-        self.merge = SourceMerge({name: (lookup_calibrator, lookup_bins) for name in SOURCES})
+        self.merge = SourceMerge({name: (lookup_estimator, lookup_bins) for name in SOURCES})
 
-    def calibrate_for(self, setting: Hashable) -> None:
+    def estimate_for(self, setting: Hashable) -> None:
         self.merge.use(setting)
 
     def identity(self) -> str:
         return identity()
 
-    def calibration_state(self) -> dict:
+    def estimates_state(self) -> dict:
         return self.merge.state(self.merge.setting)
 
-    def load_calibration(self, state: dict) -> None:
+    def load_estimates(self, state: dict) -> None:
         self.merge.load_state(self.merge.setting, state)
 
     def begin(self, prompt_ids: Tensor, features: Tensor | None) -> None:

@@ -97,7 +97,8 @@ def frequent_tokens(
 def check_draft_vocab(vocab: Tensor, vocab_size: int, source: str) -> None:
     """Raises ValueError unless `vocab` is a 1D strictly ascending list of ids in [0, vocab_size)."""
     if vocab.dim() != 1 or vocab.dtype != torch.long or vocab.numel() == 0:
-        raise ValueError(f"{source}: draft_vocab must be a non-empty 1D int64 tensor, got {vocab.dtype} {tuple(vocab.shape)}")
+        raise ValueError(f"{source}: draft_vocab must be a non-empty 1D int64 tensor, got {vocab.dtype} "
+                         f"{tuple(vocab.shape)}")
     if vocab.numel() > 1 and not bool((vocab[1:] > vocab[:-1]).all()):
         raise ValueError(f"{source}: draft_vocab must list strictly ascending token ids")
     if int(vocab[0]) < 0 or int(vocab[-1]) >= vocab_size:

@@ -70,7 +70,8 @@ def generate(model, inputs=None, generation_config=None, streamer=None, tokenize
     top_k, top_p = (int(config.top_k or 0), float(config.top_p or 1.0)) if config.do_sample else (0, 1.0)
     eos = config.eos_token_id
     stops = () if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-    seed = options["seed"] if options["seed"] is not None else int(torch.randint(2**62, ()))  # torch.manual_seed decides
+    # torch.manual_seed decides
+    seed = options["seed"] if options["seed"] is not None else int(torch.randint(2**62, ()))
 
     decoder = _decoder(model, tokenizer, options)
     if streamer is not None:
@@ -105,7 +106,8 @@ def check_neutral(config, defaults: dict) -> None:
 
 def _decoder(model, tokenizer, options: dict):
     """The model's decoder for these options, made on first use and kept on the model (its weights in place)."""
-    key = (options["drafter"], str(options["lookup"]), options["warm_start"], options["learn"], options["weight_copies"])
+    key = (options["drafter"], str(options["lookup"]), options["warm_start"], options["learn"],
+           options["weight_copies"])
     decoders = model.__dict__.setdefault("_exitspec_decoders", {})
     if key not in decoders:
         decoders[key] = SpeculativeDecoder.from_model(

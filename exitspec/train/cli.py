@@ -163,7 +163,8 @@ def run_eval_command(args) -> int:
 def run_eval(args) -> list[dict]:
     """Makes the held-out responses that are not cached yet, then measures every drafter on every dataset."""
     if any(drafter_folder(spec) is None or split_chain(spec)[1] for spec in args.drafters):
-        raise ValueError("held-out acceptance measures DFlash drafters; 'ngram' and chains have no draft logits to build from")
+        raise ValueError("held-out acceptance measures DFlash drafters; 'ngram' and chains have no draft logits to "
+                         "build from")
     dtype = training_dtype(args.dtype, resolve_device(args.device))
     decoders = load_decoders(args.model, args.drafters, args.device, dtype, args.threads, budgets=(),
                              warm_start=not args.no_warm_start, learn=False)

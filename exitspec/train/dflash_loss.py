@@ -187,7 +187,8 @@ class DFlashObjective(nn.Module):
         per_slot = ce
         if self.loss != "ce":
             if soft is None:
-                raise ValueError(f"the {self.loss} loss needs the target's top-k probabilities (a --topk feature cache)")
+                raise ValueError(f"the {self.loss} loss needs the target's top-k probabilities "
+                                 "(a --topk feature cache)")
             top_probs, top_ids = soft
             where = (anchors[..., None] + torch.arange(bs - 1, device=ids.device)).clamp(max=ids.shape[1] - 1)
             # [B, N, bs−1]: slot k reads the target's p at position a + k − 1, the one that predicts x_{a+k}
@@ -199,9 +200,9 @@ class DFlashObjective(nn.Module):
 
 
 def soft_cross_entropy(log_q: Tensor, top_probs: Tensor, top_columns: Tensor, positions: Tensor) -> Tensor:
-    """H(p, q) on the partition {top-k tokens, the rest}: log_q [B, N, S, Vd], the draft's log-probabilities; top_probs /
-    top_columns [B, L, k] of the target's p at every position (a token's column in the draft logits, −1 for one
-    outside the draft vocabulary: its mass joins the rest); positions [B, N, S]: where each slot's p is read.
+    """H(p, q) on the partition {top-k tokens, the rest}: log_q [B, N, S, Vd], the draft's log-probabilities;
+    top_probs / top_columns [B, L, k] of the target's p at every position (a token's column in the draft logits, −1 for
+    one outside the draft vocabulary: its mass joins the rest); positions [B, N, S]: where each slot's p is read.
     Returns [B, N, S]."""
     b, n, s, _ = log_q.shape
     k = top_probs.shape[-1]

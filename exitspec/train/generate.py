@@ -64,7 +64,8 @@ class LeanBatch:
             def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:  # [1, H, n, hd], [1, Hkv, n, hd] x 2
                 keys, values = self.keys[i, row : row + 1, :, :n], self.values[i, row : row + 1, :, :n]
                 keys.copy_(k), values.copy_(v)
-                out = F.scaled_dot_product_attention(q.reshape(1, lean.kv_heads, g * n, -1), keys, values, attn_mask=mask)
+                stacked = q.reshape(1, lean.kv_heads, g * n, -1)
+                out = F.scaled_dot_product_attention(stacked, keys, values, attn_mask=mask)
                 return out.view(q.shape)  # [1, H, n, hd]
 
             x = decoder_layer(layer, x, cos[:, None], sin[:, None], lean.head_shape, attend)

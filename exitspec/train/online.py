@@ -36,13 +36,15 @@ def training_prompts(
     ShareGPT first turns and `code` code-writing prompts (-1: all of a source) of at most `max_tokens` tokens,
     interleaved source by source, then the first `skip` dropped. Never a benchmark set."""
     sources = []
-    for limit, prompts in ((gsm8k, lambda: gsm8k_train(data_dir)), (sharegpt_turns, sharegpt), (code, python_functions)):
+    kinds = ((gsm8k, lambda: gsm8k_train(data_dir)), (sharegpt_turns, sharegpt), (code, python_functions))
+    for limit, prompts in kinds:
         if limit:
             fitting = ((p.id, ids) for p in prompts() if len(ids := encode_prompt(tokenizer, p.text)) <= max_tokens)
             sources.append(list(fitting if limit < 0 else islice(fitting, limit)))
     prompts = interleave(*sources)[skip:]
     if not prompts:
-        raise ValueError("no training prompts: give --gsm8k, --sharegpt or --code a count, and a smaller --skip-prompts")
+        raise ValueError("no training prompts: give --gsm8k, --sharegpt or --code a count, and a smaller "
+                         "--skip-prompts")
     return prompts
 
 

@@ -224,7 +224,8 @@ def _resume(run: _Session) -> None:
     cfg, d = run.cfg, run.d
     run.resumed = latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
     if run.resumed is not None:
-        _check_resumable(read_state(run.resumed), cfg, len(run.data), run.resumed)  # before weights of another shape fail
+        # before weights of another shape fail
+        _check_resumable(read_state(run.resumed), cfg, len(run.data), run.resumed)
         state = load_checkpoint(run.resumed, run.drafter, run.optimizer, run.anchor_gen, d)
         run.step, run.position = state["step"], state["data"]["position"]
     elif not cfg.init:
@@ -233,7 +234,7 @@ def _resume(run: _Session) -> None:
         features = target_features(run.target, ids, lengths, run.drafter.config.target_layer_ids)  # [B, L, F]
         real = real_tokens(ids, lengths)  # [B, L]
         real[:, 0] = False  # the first token is an attention sink with a huge norm
-        run.drafter.calibrate_fc(features[real])
+        run.drafter.rescale_fc(features[real])
 
 
 def _step(run: _Session) -> tuple[float, TrainLoss, int, Tensor]:

@@ -48,7 +48,7 @@ case "${1:?stage: greedy | t1 | features | ce | kl | long | curve | curve-long |
     exitspec train curve runs/dflash-v2-ce runs/dflash-v2-kl --out data/dflash-runs/smollm2-135m-instruct-v2/ce-vs-kl/curve.png ;;
   curve-long)
     exitspec train curve runs/dflash-v2-long-1l runs/dflash-v2-long-2l --out data/dflash-runs/smollm2-135m-instruct-v2/long/curve.png ;;
-  ship)  # the shipped `dflash` (the drafter it replaced stays reachable as `dflash-v1`)
+  ship)  # the shipped `dflash` (the drafter it replaced, `dflash-v1`, no longer ships; git history holds it)
     cp runs/dflash-v2-long-1l/final/* exitspec/assets/dflash-smollm2-135m-instruct/ ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

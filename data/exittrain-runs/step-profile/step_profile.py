@@ -15,8 +15,8 @@ from collections import defaultdict
 import torch
 
 import exitspec
-from exitspec.bench.runner import cpu_name
 from exitspec.drafters import SHIPPED
+from exitspec.settings import cpu_name
 from exitspec.train import dflash_loss, exit_loss, trainer
 from exitspec.train.config import TrainConfig
 
