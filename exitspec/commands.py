@@ -186,8 +186,9 @@ def calibrate(args) -> int:
     quiet, and prints the grid, the row plan and how it was measured."""
     decoder = app.load_decoders(args.model, ["ngram"], args.device, args.dtype, args.threads, budgets=())["ngram"]
     cost = decoder.calibrate(budget_cap(parse_budget(args.budget)), refresh=True)
-    step = cost.seconds[0]
-    print(f"one step: {1000 * step:.1f} ms; measured {cost.info['measured_at']}, other processes used "
+    step = cost.effective[0]  # a one-token step as the decoder runs it: by the row plan
+    print(f"one step: {1000 * step:.1f} ms as planned ({1000 * cost.seconds[0]:.1f} ms unplanned); measured "
+          f"{cost.info['measured_at']}, other processes used "
           f"{cost.info['other_load']:.0%} of the CPUs, repeats within {cost.info['spread']:.0%}; "
           + ("cached" if cost.trustworthy() is None else f"not cached: {cost.trustworthy()}"))
     print("N      " + " ".join(f"{n:>5}" for n in cost.sizes))

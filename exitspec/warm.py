@@ -136,7 +136,9 @@ class WarmStart:
             self.read.add(file)
             if file.is_file():
                 try:
-                    held.restore(file, self.tokenizer())
+                    digest = held.restore(file, self.tokenizer())
+                    if self._tokenizer == "none":  # keep the digest of the entry point that knew the tokenizer
+                        self._tokenizer = digest
                 except ValueError as e:
                     warnings.warn(f"ignoring a suffix memory ({e}); it is replaced after the run", stacklevel=2)
 

@@ -200,3 +200,21 @@ def test_a_foreign_suffix_memory_warns_and_is_replaced(model, folder):
     fresh = SuffixMemory(VOCAB)
     fresh.restore(warm.memory_path(decoder.target.model.config), "none")
     assert [a for _, a in fresh.answers] == [a for _, a in decoder.drafter.memory().answers]
+
+
+def test_a_suffix_memory_is_shared_by_entry_points_with_and_without_a_tokenizer(model, folder):
+    """transformers' generate may run without a tokenizer (digest "none"), the CLI with one: each reads what the
+    other wrote, and a run without a tokenizer keeps the file's digest when it writes it back."""
+    path = warm.memory_path(model.config)
+    known = SuffixMemory(VOCAB)
+    known.add([4, 5, 6, 7])
+    known.save(path, "0123456789abcdef")
+    decoder = new_decoder(model)  # TargetModel without a tokenizer
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(decoder, tokens=10)
+    assert not [w for w in caught if "suffix memory" in str(w.message)]
+    assert [4, 5, 6, 7] in [a for _, a in decoder.drafter.memory().answers]
+    back = SuffixMemory(VOCAB)
+    assert back.restore(path, "0123456789abcdef") == "0123456789abcdef"  # the digest survived the write
+    assert len(back.answers) == 2

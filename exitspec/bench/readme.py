@@ -7,7 +7,7 @@ The record is one sitting (RECORD/run.sh): exitspec's autoregressive and specula
 same weights, interleaved prompt by prompt (results.jsonl per weight format), and the one-step timings beside
 llama-bench (forward-*.json). Speeds are tokens per second pooled over all prompts, prefill included; the ratio
 is the mean over the four sets of speculative over llama.cpp tok/s, with the lowest set, and the same without
-the prompts whose answers loop (report.looping_prompts).
+the prompts whose answers loop (report.looping_prompts): the headline, in bold.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def results_table(root: Path) -> list[str]:
         clean = [rates[spec] / rates[peer] for rates in pooled_rates(rows, peered - looping_prompts(rows)).values()]
         lines.append(f"| {name} | {step['decoder']['ms']:.1f} / {step['llama.cpp']['ms']:.1f} ms | "
                      f"{pooled['exitspec AR']:.1f} | {pooled[spec]:.1f} | {pooled[peer]:.1f} | "
-                     f"**{statistics.mean(ratios):.2f}×** ({min(ratios):.2f}×) | "
-                     f"{statistics.mean(clean):.2f}× ({min(clean):.2f}×) |")
+                     f"{statistics.mean(ratios):.2f}× ({min(ratios):.2f}×) | "
+                     f"**{statistics.mean(clean):.2f}×** ({min(clean):.2f}×) |")
     return lines
 
 

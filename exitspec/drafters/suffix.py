@@ -125,9 +125,11 @@ class SuffixMemory:
         with atomic_file(path) as tmp:
             save_file(tensors, tmp, metadata={"vocab_size": str(self.vocab_size), "tokenizer": tokenizer})
 
-    def restore(self, path: str | Path, tokenizer: str) -> None:
-        """Adds the answers of a file written by `save` for this tokenizer; a wrong or damaged file is one
-        ValueError, and nothing is added."""
+    def restore(self, path: str | Path, tokenizer: str) -> str:
+        """Adds the answers of a file written by `save` for this tokenizer and returns the file's digest; a wrong or
+        damaged file is one ValueError, and nothing is added. A side that knows no tokenizer ("none": token ids
+        in and out, e.g. transformers' generate without one) trusts the vocabulary size alone, since the file
+        is already the same model's (warm.memory_path)."""
         path = Path(path)
         try:
             with safe_open(path, framework="pt") as f:
@@ -136,7 +138,7 @@ class SuffixMemory:
             file_vocab, file_tokenizer = int(meta["vocab_size"]), meta["tokenizer"]
         except (SafetensorError, OSError, KeyError, ValueError) as e:
             raise ValueError(f"{path} is not an exitspec suffix memory ({type(e).__name__}: {e})") from None
-        if (file_vocab, file_tokenizer) != (self.vocab_size, tokenizer):
+        if file_vocab != self.vocab_size or (file_tokenizer != tokenizer and "none" not in (file_tokenizer, tokenizer)):
             raise ValueError(f"the suffix memory {path} belongs to another tokenizer (vocabulary {file_vocab}, digest "
                              f"{file_tokenizer}; this target's: {self.vocab_size}, {tokenizer})")
         bounds = [*starts.tolist(), flat.numel()]
@@ -147,6 +149,7 @@ class SuffixMemory:
             raise ValueError(f"{path} holds token ids outside the target's vocabulary of {self.vocab_size}")
         for answer in answers:
             self.add(answer)
+        return file_tokenizer
 
 
 class SuffixSource:
