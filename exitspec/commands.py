@@ -75,22 +75,26 @@ def generate(args) -> int:
                 run = llama.complete(result.prompt_ids, **request)
                 per_run[llama_row].append(len(run.tokens) / run.seconds)
                 llama_tokens = run.tokens if llama_tokens is None else llama_tokens
-    _print_generate(args, result, spec_settings, baseline, speedups, per_run, llama_version, llama_tokens)
+    memory = decoder.drafter.memory()  # read from exitspec's cache (warm start); --compare adds nothing to it
+    held = {"answers": len(memory.answers), "holds_this_answer": memory.holds(result.tokens)} if memory else None
+    _print_generate(args, result, spec_settings, baseline, speedups, per_run, llama_version, llama_tokens, held)
     return 0
 
 
-def _print_generate(args, result, spec_settings, baseline, speedups, per_run, llama_version, llama_tokens) -> None:
+def _print_generate(args, result, spec_settings, baseline, speedups, per_run, llama_version, llama_tokens,
+                    memory: dict | None) -> None:
     """generate's closing output: one JSON object (--json), or the statistics line and, with llama.cpp, the per-run
-    table, on stderr."""
+    table, on stderr. `memory`: how many answers the suffix memory held, and whether one began as this one does
+    (a measurement then times a repeated request, not a new one)."""
     if args.json:
-        out = _generate_json(args, result, spec_settings, baseline, speedups, per_run)
+        out = _generate_json(args, result, spec_settings, baseline, speedups, per_run) | {"memory": memory}
         if args.llamacpp:
             out["llamacpp"] = {"variant": args.llamacpp, "version": llama_version, "token_ids": llama_tokens,
                                "first_difference": first_difference(baseline.tokens, llama_tokens),
                                "tokens_per_second": per_run}
         print(json.dumps(out))
     else:
-        print(_generate_line(args, result, baseline, speedups), file=sys.stderr)
+        print(_generate_line(args, result, baseline, speedups, memory), file=sys.stderr)
         if args.llamacpp:
             print(_per_run_table(per_run, llama_version, first_difference(baseline.tokens, llama_tokens)),
                   file=sys.stderr)
@@ -155,8 +159,9 @@ def _generate_json(args, result, settings: dict, baseline, speedups: list[float]
     return out
 
 
-def _generate_line(args, result, baseline, speedups: list[float]) -> str:
-    """`generate`'s closing line on stderr: τ, speed, rounds, C_p, and with --compare the speedup."""
+def _generate_line(args, result, baseline, speedups: list[float], memory: dict | None) -> str:
+    """`generate`'s closing line on stderr: τ, speed, rounds, C_p, with --compare the speedup, and whether the
+    suffix memory already held this answer."""
     mean_n = sum(r.tree_size for r in result.rounds) / max(len(result.rounds), 1)
     line = (
         f"\n\n[τ {result.tau:.2f} · {result.tokens_per_second:.1f} tok/s · {len(result.tokens)} tokens in "
@@ -170,6 +175,8 @@ def _generate_line(args, result, baseline, speedups: list[float]) -> str:
         line += (f" · speedup {statistics.median(speedups):.2f}× in tok/s over autoregressive (median of "
                  f"{len(speedups)} alternated pairs, range {min(speedups):.2f}–{max(speedups):.2f}; "
                  f"{baseline.tokens_per_second:.1f} tok/s)")
+    if memory and memory["holds_this_answer"]:
+        line += " · the suffix memory held this answer already (--no-warm-start measures a new request)"
     return line + "]"
 
 

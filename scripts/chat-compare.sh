@@ -3,7 +3,8 @@
 # process, as a user runs it (load and the cost grid's spot check happen before the timed runs; each process
 # starts from what earlier ones learned unless --no-warm-start is among the extra options).
 #   bash scripts/chat-compare.sh OUT.jsonl [PROMPTS.jsonl] [-- generate options...]
-# Appends one JSON object per prompt to OUT.jsonl and prints the per-prompt and mean speedup.
+# Appends one JSON object per prompt to OUT.jsonl, each run's warnings (a cost grid measured on a busy machine,
+# say) to OUT.log beside it, and prints the per-prompt and mean speedup.
 set -euo pipefail
 out=$1; shift
 prompts=data/prompts/everyday-chat.jsonl
@@ -11,7 +12,7 @@ if [[ $# -gt 0 && $1 != -- ]]; then prompts=$1; shift; fi
 [[ $# -gt 0 && $1 == -- ]] && shift
 python -c 'import json, sys; [print(json.loads(l)["prompt"]) for l in open(sys.argv[1]) if l.strip()]' "$prompts" |
 while IFS= read -r prompt; do
-    exitspec generate "$prompt" --compare --json "$@" >> "$out" 2>/dev/null
+    exitspec generate "$prompt" --compare --json "$@" >> "$out" 2>> "${out%.jsonl}.log"
 done
 python - "$out" <<'PY'
 import json, statistics, sys

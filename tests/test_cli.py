@@ -237,3 +237,4 @@ def test_compare_alternates_its_runs_and_divides_tokens_per_second(tmp_path, mon
     last = out["autoregressive"]
     assert last["new_tokens"] < out["stats"]["new_tokens"]
     assert last["tokens_per_second"] == pytest.approx(rates["autoregressive"][-1])
+    assert "memory" in out  # what the suffix memory held: None for a drafter without one

@@ -53,6 +53,13 @@ def test_the_memory_drops_the_oldest_answers_beyond_its_bound():
         memory.add([1, VOCAB])
 
 
+def test_the_memory_says_whether_it_holds_an_answer():
+    memory = SuffixMemory(100)
+    memory.add(list(range(40)))
+    assert memory.holds(list(range(5, 30))) and memory.holds([7, 8, 9])
+    assert not memory.holds([7, 9, 8]) and not memory.holds([]) and not SuffixMemory(100).holds([1, 2])
+
+
 def test_the_memory_saves_and_restores_and_refuses_other_files(tmp_path):
     memory = SuffixMemory(VOCAB)
     memory.add([1, 2, 3, 4])

@@ -24,6 +24,7 @@ checked on load. Beyond `max_tokens` stored tokens the oldest answers are droppe
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,12 @@ class SuffixMemory:
         self.answers: deque[tuple[int, list[int]]] = deque()  # (sequence id, tokens), oldest first
         self.stored = 0  # tokens in `answers`
         self._next_id = 0
+
+    def holds(self, answer: Sequence[int], span: int = 16) -> bool:
+        """Whether a stored answer contains the first `span` tokens of `answer`: a measurement that drafts from
+        this memory would find that answer's start already there."""
+        head = array("q", answer[:span]).tobytes()
+        return bool(head) and any(head in array("q", tokens).tobytes() for _, tokens in self.answers)
 
     def add(self, tokens: Sequence[int]) -> None:
         """Stores one finished answer (drops the oldest ones while the memory holds more than max_tokens)."""
