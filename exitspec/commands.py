@@ -75,7 +75,7 @@ def generate(args) -> int:
                 run = llama.complete(result.prompt_ids, **request)
                 per_run[llama_row].append(len(run.tokens) / run.seconds)
                 llama_tokens = run.tokens if llama_tokens is None else llama_tokens
-    memory = decoder.drafter.memory()  # read from exitspec's cache (warm start); --compare adds nothing to it
+    memory = decoder.drafter.memory() if args.compare else None  # as read from the cache: --compare learns nothing
     held = {"answers": len(memory.answers), "holds_this_answer": memory.holds(result.tokens)} if memory else None
     _print_generate(args, result, spec_settings, baseline, speedups, per_run, llama_version, llama_tokens, held)
     return 0

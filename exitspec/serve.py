@@ -183,6 +183,7 @@ class Job:
     items: asyncio.Queue = field(default_factory=asyncio.Queue)
     left: threading.Event = field(default_factory=threading.Event)  # the client is gone
     admitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when the decoding thread took it up (None: never, the client left first)
 
     def send(self, item) -> None:
         """From the decoding thread to the request's coroutine."""
@@ -192,7 +193,8 @@ class Job:
         """Runs on the decoding thread; returns the job's last item (None: the client left while it waited)."""
         if self.left.is_set():
             return None
-        queued = time.perf_counter() - self.admitted
+        self.started = time.perf_counter()
+        queued = self.started - self.admitted
         stop, streamed = StopStrings(self.stops), []
 
         def sink(text: str) -> None:
@@ -208,7 +210,7 @@ class Job:
         seen = "".join(streamed)
         if not stop.hit and result.text.startswith(seen) and (out := stop.feed(result.text[len(seen) :])):
             self.send(out)  # an unfinished multi-byte tail that the text stream held back
-        if out := stop.flush() if not stop.hit else "":
+        if out := stop.flush():  # empty once a stop string was hit
             self.send(out)
         length = result.stopped_by in ("max_new_tokens", "context") and not stop.hit
         return Finished(result, "length" if length else "stop", queued, self.settings["seed"])
@@ -248,7 +250,8 @@ class Worker:
         self.depth -= 1
         self.jobs.discard(job)
         self.metrics.queue_depth.set(self.depth)
-        self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * (time.perf_counter() - job.admitted)
+        if job.started is not None:
+            self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * (time.perf_counter() - job.started)
 
     def warm_up(self, budget, verifier: str) -> None:
         """One-time costs before the first request, on the decoding thread itself (its first tensor ops start
@@ -458,12 +461,12 @@ async def _events(job: Job, head: dict, kind: str, include_usage: bool, metrics:
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; `started`: the request's arrival."""
     kind = "chat.completion.chunk" if kind == "chat.completion" else kind
 
-    def chunk(payload: dict, finish: str | None = None, **extra) -> str:
+    def chunk(payload: dict, finish: str | None = None) -> str:
         if kind == "chat.completion.chunk":
             choice = {"index": 0, "delta": payload, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": payload.get("content", ""), "logprobs": None, "finish_reason": finish}
-        return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **extra})}\n\n"
+        return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
 
     first = None
     try:

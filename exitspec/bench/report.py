@@ -71,11 +71,14 @@ def looping_prompts(rows: list) -> set[tuple]:
     """The prompts (`_prompt`) of which an answer, autoregressive or speculative, ends in a repetition loop
     (rows.loops, against the conversation's earlier autoregressive answers too): every table's means are also
     given without them."""
-    answers = {_prompt(r): r.ar.tokens for r in rows if isinstance(r, BaselineRow)}
+    conversations = defaultdict(list)  # (dataset, temperature, prompt id, repeat) -> [(turn, AR answer)]
+    for r in rows:
+        if isinstance(r, BaselineRow):
+            conversations[r.dataset, r.temperature, r.prompt_id, r.repeat].append((r.turn, r.ar.tokens))
 
     def earlier(r) -> list[list[int]]:
-        return [a for (d, t, p, turn, rep), a in answers.items()
-                if (d, t, p, rep) == (r.dataset, r.temperature, r.prompt_id, r.repeat) and turn < r.turn]
+        conversation = conversations[r.dataset, r.temperature, r.prompt_id, r.repeat]
+        return [a for turn, a in conversation if turn < r.turn]
 
     answer = {BaselineRow: lambda r: r.ar.tokens, SpecRow: lambda r: r.tokens}
     return {_prompt(r) for r in rows if type(r) in answer and loops(answer[type(r)](r), earlier(r))}
